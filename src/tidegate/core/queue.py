@@ -1,0 +1,442 @@
+"""WaitQueue: the per-model queue of admitted requests, by priority level, with aging.
+
+Design note. One FIFO per level. Within a level the oldest request is always the most aged,
+so the most urgent request overall is the best of the level heads: a pick costs O(levels)
+and the queue is never sorted. Effective priority is
+``max(0, level - rate_per_s * max(0, wait_s - threshold_s))``; ties go to the earlier arrival.
+Removal from the middle (cancel, shed, expire) is lazy: the entry is marked dead and dropped
+when it reaches either end of its FIFO, and the FIFOs are compacted when dead entries
+outnumber live ones, so every operation is O(1) amortised (deadlines: O(log n)).
+
+Invariants:
+- every admitted request leaves exactly once: popped, shed, expired or cancelled;
+- ``len(queue) <= max_size`` and ``depth(level) <= level.max_size`` after every admission
+  (a retried request put back with ``requeue`` may exceed them: it had already been admitted);
+- callers admit requests in arrival order (the gateway stamps ``arrival_at`` on receipt), so
+  each FIFO is ordered by arrival;
+- the queue decides, the caller acts: nothing here reads a clock or performs I/O.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from tidegate.core.request import Request, RequestState
+
+# Compact a FIFO once it holds this many more dead entries than live ones.
+_COMPACT_SLACK = 64
+
+
+@dataclass(frozen=True, slots=True)
+class AgingConfig:
+    threshold_s: float = 30.0  # wait before a request starts to gain priority
+    rate_per_s: float = 0.5  # levels gained per second of wait beyond the threshold
+
+
+@dataclass(frozen=True, slots=True)
+class LevelSpec:
+    name: str
+    max_size: int | None = None  # bound on this level's depth; None: only the total bounds it
+    timeout_s: float | None = None  # queue timeout: expired when still queued this long
+    holdback_above: float | None = None  # saturation (0..1) above which arrivals are refused
+
+
+DEFAULT_LEVELS: tuple[LevelSpec, ...] = (
+    LevelSpec("high"),
+    LevelSpec("medium", holdback_above=0.9),
+    LevelSpec("low", holdback_above=0.7),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    levels: tuple[LevelSpec, ...] = DEFAULT_LEVELS
+    max_size: int = 1000  # bound on the total depth
+    aging: AgingConfig = AgingConfig()
+    drain_window_s: float = 30.0  # completions older than this do not inform the drain rate
+    min_drain_samples: int = 5  # fewer completions than this in the window: no prediction
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise ValueError("queue needs at least one priority level")
+        if self.max_size < 1:
+            raise ValueError(f"queue max_size must be >= 1, got {self.max_size}")
+        names = [spec.name for spec in self.levels]
+        if len(set(names)) != len(names):
+            raise ValueError(f"priority level names must be unique, got {names}")
+
+    def level_of(self, name: str) -> int:
+        """The level index of a priority name; ValueError names the valid ones."""
+        for index, spec in enumerate(self.levels):
+            if spec.name == name:
+                return index
+        valid = ", ".join(spec.name for spec in self.levels)
+        raise ValueError(f"unknown priority {name!r}; expected one of: {valid}")
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    request: Request
+    deadline_at: float | None  # the earlier of the request's own deadline and its level timeout
+    shed: tuple[Request, ...] = ()  # evicted to make room: each ends as SHED
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    request: Request
+    reason: RequestState  # REJECTED_FULL, REJECTED_DEADLINE or REJECTED_HOLDBACK
+    retry_after_s: float | None  # predicted time until the work ahead has drained, if known
+    message: str
+
+
+Admission = Admitted | Rejected
+
+
+def effective_priority(level: int, arrival_at: float, now: float, aging: AgingConfig) -> float:
+    """The level a request competes at after aging; never below the top level (0)."""
+    waited_beyond_s = max(0.0, now - arrival_at - aging.threshold_s)
+    return max(0.0, level - aging.rate_per_s * waited_beyond_s)
+
+
+class DrainRate:
+    """Requests drained per second over a sliding window, fed by the caller with completions."""
+
+    __slots__ = ("_events", "_first_at", "_min_samples", "_total", "_window_s")
+
+    def __init__(self, window_s: float, min_samples: int) -> None:
+        self._window_s = window_s
+        self._min_samples = min_samples
+        self._events: deque[tuple[float, int]] = deque()
+        self._total = 0
+        self._first_at: float | None = None
+
+    def record(self, now: float, count: int = 1) -> None:
+        if self._first_at is None:
+            self._first_at = now
+        self._events.append((now, count))
+        self._total += count
+
+    def rate_per_s(self, now: float) -> float | None:
+        """None while there is too little evidence to predict anything."""
+        horizon = now - self._window_s
+        while self._events and self._events[0][0] < horizon:
+            self._total -= self._events.popleft()[1]
+        if self._first_at is None or self._total < self._min_samples:
+            return None
+        # Before a full window has passed, divide by the time actually observed.
+        span_s = min(self._window_s, now - self._first_at)
+        return self._total / span_s if span_s > 0 else None
+
+
+class _Entry:
+    __slots__ = ("alive", "deadline_at", "request", "seq")
+
+    def __init__(self, request: Request, deadline_at: float | None, seq: int) -> None:
+        self.request = request
+        self.deadline_at = deadline_at
+        self.seq = seq
+        self.alive = True
+
+
+class WaitQueue:
+    """Admitted requests of one model, waiting for a replica. See the module docstring."""
+
+    def __init__(self, config: QueueConfig | None = None) -> None:
+        self.config = config or QueueConfig()
+        num_levels = len(self.config.levels)
+        self._fifos: list[deque[_Entry]] = [deque() for _ in range(num_levels)]
+        self._depths = [0] * num_levels
+        self._live: dict[str, _Entry] = {}
+        self._deadlines: list[tuple[float, int, _Entry]] = []  # heap, lazy deletion
+        self._num_tokens = 0
+        self._seq = 0
+        self._outcomes: dict[tuple[int, RequestState], int] = {}
+        self.drain = DrainRate(self.config.drain_window_s, self.config.min_drain_samples)
+
+    # ----------------------------------------------------------------- views
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._live
+
+    @property
+    def num_levels(self) -> int:
+        return len(self._fifos)
+
+    @property
+    def num_tokens(self) -> int:
+        """Sum of the cost estimates of everything queued."""
+        return self._num_tokens
+
+    def depth(self, level: int) -> int:
+        return self._depths[level]
+
+    def depths(self) -> tuple[int, ...]:
+        return tuple(self._depths)
+
+    def outcome_counts(self) -> dict[tuple[int, RequestState], int]:
+        """How many requests of each level this queue sent to each state, since creation."""
+        return dict(self._outcomes)
+
+    def oldest_arrival_at(self) -> float | None:
+        heads = [head.request.arrival_at for head in self._heads(None)]
+        return min(heads) if heads else None
+
+    def next_deadline_at(self) -> float | None:
+        """When ``expire`` will next have something to return: a timer for the caller."""
+        while self._deadlines and not self._deadlines[0][2].alive:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def predicted_wait_s(self, level: int, now: float) -> float | None:
+        """Time to drain what would be picked before a new arrival at ``level``.
+
+        Counts requests at the same or a more urgent level (aging of less urgent ones is
+        ignored); None when the drain rate is not yet known.
+        """
+        ahead = sum(self._depths[: level + 1])
+        if ahead == 0:
+            return 0.0
+        rate = self.drain.rate_per_s(now)
+        return ahead / rate if rate else None
+
+    # ------------------------------------------------------------- admission
+    def admit(self, request: Request, now: float, saturation: float = 0.0) -> Admission:
+        """Decide whether ``request`` may wait here; on success it is queued.
+
+        Checks, in order: graded holdback, a deadline the predicted wait already misses,
+        then capacity (shedding the newest request of the least urgent level present when
+        the arrival is more urgent).
+        """
+        level = self._check_level(request)
+        if request.id in self._live:
+            raise ValueError(f"request {request.id} is already queued")
+        spec = self.config.levels[level]
+        deadline_at = _earliest(request.deadline_at, spec.timeout_s, request.arrival_at)
+
+        if spec.holdback_above is not None and saturation > spec.holdback_above:
+            return self._reject(
+                request,
+                RequestState.REJECTED_HOLDBACK,
+                self.predicted_wait_s(level, now),
+                f"priority {spec.name} is held back at saturation {saturation:.2f} "
+                f"(limit {spec.holdback_above:.2f})",
+            )
+        wait_s = self.predicted_wait_s(level, now)
+        if deadline_at is not None and wait_s is not None and now + wait_s > deadline_at:
+            return self._reject(
+                request,
+                RequestState.REJECTED_DEADLINE,
+                wait_s,
+                f"predicted queue wait {wait_s:.1f}s exceeds the deadline "
+                f"({max(0.0, deadline_at - now):.1f}s away)",
+            )
+        if spec.max_size is not None and self._depths[level] >= spec.max_size:
+            return self._reject(
+                request,
+                RequestState.REJECTED_FULL,
+                wait_s,
+                f"queue for priority {spec.name} is full ({spec.max_size})",
+            )
+        shed: tuple[Request, ...] = ()
+        if len(self._live) >= self.config.max_size:
+            victim = self._evict_newest_below(level)
+            if victim is None:
+                return self._reject(
+                    request,
+                    RequestState.REJECTED_FULL,
+                    wait_s,
+                    f"queue is full ({self.config.max_size}) with nothing less urgent to shed",
+                )
+            shed = (victim,)
+        self._insert(request, deadline_at, front=False)
+        self._count(level, RequestState.QUEUED)
+        return Admitted(request, deadline_at, shed)
+
+    def requeue(self, request: Request, now: float) -> None:
+        """Put back a dispatched request whose replica failed before it started.
+
+        It goes to the front of its level (it is older than the arrivals behind it) and
+        skips admission: it was admitted once, and refusing it now would lose it.
+        """
+        level = self._check_level(request)
+        spec = self.config.levels[level]
+        deadline_at = _earliest(request.deadline_at, spec.timeout_s, request.arrival_at)
+        self._insert(request, deadline_at, front=True)
+        self._count(level, RequestState.QUEUED)
+
+    # ------------------------------------------------------------- removal
+    def peek(
+        self,
+        n: int,
+        now: float,
+        max_tokens: int | None = None,
+        levels: Iterable[int] | None = None,
+    ) -> tuple[Request, ...]:
+        """The requests ``pop`` would return, without removing them."""
+        return tuple(entry.request for entry in self._select(n, now, max_tokens, levels))
+
+    def pop(
+        self,
+        n: int,
+        now: float,
+        max_tokens: int | None = None,
+        levels: Iterable[int] | None = None,
+    ) -> tuple[Request, ...]:
+        """Remove up to ``n`` requests in effective-priority order.
+
+        ``max_tokens`` bounds the sum of their cost estimates; the first request is taken
+        even when it alone is over the budget, or it could never be served. ``levels``
+        restricts the pick to the levels a pool serves. Stops at the first request that
+        does not fit, so a cheap request never overtakes a more urgent one.
+        """
+        chosen = self._select(n, now, max_tokens, levels)
+        for entry in chosen:
+            self._remove(entry)
+            self._count(entry.request.priority, RequestState.DISPATCHED)
+        return tuple(entry.request for entry in chosen)
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Remove a queued request in O(1); None when it is not queued (any more)."""
+        entry = self._live.get(request_id)
+        if entry is None:
+            return None
+        self._remove(entry)
+        self._count(entry.request.priority, RequestState.CANCELLED)
+        return entry.request
+
+    def expire(self, now: float) -> tuple[Request, ...]:
+        """Remove and return every queued request whose deadline is at or before ``now``."""
+        expired: list[Request] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            entry = heapq.heappop(self._deadlines)[2]
+            if entry.alive:
+                self._remove(entry)
+                self._count(entry.request.priority, RequestState.EXPIRED)
+                expired.append(entry.request)
+        return tuple(expired)
+
+    # ------------------------------------------------------------- internals
+    def _check_level(self, request: Request) -> int:
+        if request.priority >= len(self._fifos):
+            raise ValueError(
+                f"request {request.id}: priority level {request.priority} out of range "
+                f"0..{len(self._fifos) - 1}"
+            )
+        return request.priority
+
+    def _reject(
+        self, request: Request, reason: RequestState, retry_after_s: float | None, message: str
+    ) -> Rejected:
+        self._count(request.priority, reason)
+        return Rejected(request, reason, retry_after_s, message)
+
+    def _count(self, level: int, state: RequestState) -> None:
+        key = (level, state)
+        self._outcomes[key] = self._outcomes.get(key, 0) + 1
+
+    def _insert(self, request: Request, deadline_at: float | None, *, front: bool) -> None:
+        entry = _Entry(request, deadline_at, self._seq)
+        self._seq += 1
+        fifo = self._fifos[request.priority]
+        if front:
+            fifo.appendleft(entry)
+        else:
+            fifo.append(entry)
+        self._live[request.id] = entry
+        self._depths[request.priority] += 1
+        self._num_tokens += request.cost_tokens
+        if deadline_at is not None:
+            heapq.heappush(self._deadlines, (deadline_at, entry.seq, entry))
+
+    def _remove(self, entry: _Entry) -> None:
+        entry.alive = False
+        del self._live[entry.request.id]
+        level = entry.request.priority
+        self._depths[level] -= 1
+        self._num_tokens -= entry.request.cost_tokens
+        fifo = self._fifos[level]
+        if len(fifo) > 2 * self._depths[level] + _COMPACT_SLACK:
+            self._fifos[level] = deque(e for e in fifo if e.alive)
+        if len(self._deadlines) > 2 * len(self._live) + _COMPACT_SLACK:
+            self._deadlines = [item for item in self._deadlines if item[2].alive]
+            heapq.heapify(self._deadlines)
+
+    def _evict_newest_below(self, level: int) -> Request | None:
+        """Shed the newest request of the least urgent level that is less urgent than ``level``."""
+        for victim_level in range(len(self._fifos) - 1, level, -1):
+            if self._depths[victim_level] == 0:
+                continue
+            fifo = self._fifos[victim_level]
+            while not fifo[-1].alive:
+                fifo.pop()
+            entry = fifo.pop()
+            self._remove(entry)
+            self._count(victim_level, RequestState.SHED)
+            return entry.request
+        return None
+
+    def _heads(self, levels: Iterable[int] | None) -> Iterator[_Entry]:
+        for level in range(len(self._fifos)) if levels is None else levels:
+            fifo = self._fifos[level]
+            while fifo and not fifo[0].alive:
+                fifo.popleft()
+            if fifo:
+                yield fifo[0]
+
+    def _select(
+        self, n: int, now: float, max_tokens: int | None, levels: Iterable[int] | None
+    ) -> list[_Entry]:
+        """Merge the level FIFOs by (effective priority, arrival, seq), stopping early."""
+        aging = self.config.aging
+        wanted = range(len(self._fifos)) if levels is None else sorted(set(levels))
+        cursors: list[tuple[int, Iterator[_Entry]]] = [
+            (level, iter(self._fifos[level])) for level in wanted if self._depths[level]
+        ]
+        heads: dict[int, _Entry] = {}
+        for level, cursor in cursors:
+            entry = _next_alive(cursor)
+            if entry is not None:
+                heads[level] = entry
+        iters = dict(cursors)
+        chosen: list[_Entry] = []
+        tokens = 0
+        while heads and len(chosen) < n:
+            level, entry = min(
+                heads.items(),
+                key=lambda item: (
+                    effective_priority(item[0], item[1].request.arrival_at, now, aging),
+                    item[1].request.arrival_at,
+                    item[1].seq,
+                ),
+            )
+            cost = entry.request.cost_tokens
+            if max_tokens is not None and chosen and tokens + cost > max_tokens:
+                break
+            chosen.append(entry)
+            tokens += cost
+            following = _next_alive(iters[level])
+            if following is None:
+                del heads[level]
+            else:
+                heads[level] = following
+        return chosen
+
+
+def _next_alive(cursor: Iterator[_Entry]) -> _Entry | None:
+    for entry in cursor:
+        if entry.alive:
+            return entry
+    return None
+
+
+def _earliest(deadline_at: float | None, timeout_s: float | None, start_at: float) -> float | None:
+    """The earlier of an absolute deadline and ``start_at + timeout_s``; None if neither."""
+    if timeout_s is None:
+        return deadline_at
+    level_deadline_at = start_at + timeout_s
+    return level_deadline_at if deadline_at is None else min(deadline_at, level_deadline_at)

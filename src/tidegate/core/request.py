@@ -1,0 +1,92 @@
+"""Requests and their lifecycle.
+
+A :class:`Request` is an immutable value: what the scheduler knows about one call when it
+arrives. Its :class:`RequestState` moves only along the edges of ``_TRANSITIONS``; every
+accepted request ends in exactly one terminal state, and a terminal state never changes.
+``advance`` is the single place that checks an edge, so a bug in a shell that tries to
+complete a request twice fails loudly instead of being counted twice.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestState(enum.Enum):
+    """Where a request is. Terminal states are listed in ``TERMINAL_STATES``."""
+
+    NEW = "new"  # received, admission not yet decided
+    QUEUED = "queued"  # admitted, waiting in a WaitQueue
+    DISPATCHED = "dispatched"  # handed to a replica, running
+    # Terminal outcomes.
+    COMPLETED = "completed"
+    SHED = "shed"  # admitted, then evicted by a more urgent arrival
+    REJECTED_FULL = "rejected_full"  # queue (or its level) full, nothing less urgent to evict
+    REJECTED_DEADLINE = "rejected_deadline"  # predicted wait already beyond its deadline
+    REJECTED_HOLDBACK = "rejected_holdback"  # its level is held back at this saturation
+    EXPIRED = "expired"  # still queued when its deadline passed
+    CANCELLED = "cancelled"  # the client went away
+    FAILED = "failed"  # the replica failed it
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES: frozenset[RequestState] = frozenset(
+    {
+        RequestState.COMPLETED,
+        RequestState.SHED,
+        RequestState.REJECTED_FULL,
+        RequestState.REJECTED_DEADLINE,
+        RequestState.REJECTED_HOLDBACK,
+        RequestState.EXPIRED,
+        RequestState.CANCELLED,
+        RequestState.FAILED,
+    }
+)
+
+_S = RequestState
+_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    _S.NEW: frozenset(
+        {_S.QUEUED, _S.REJECTED_FULL, _S.REJECTED_DEADLINE, _S.REJECTED_HOLDBACK, _S.CANCELLED}
+    ),
+    _S.QUEUED: frozenset({_S.DISPATCHED, _S.SHED, _S.EXPIRED, _S.CANCELLED, _S.FAILED}),
+    # DISPATCHED -> QUEUED: a replica crashed before the first byte; the request is retried.
+    _S.DISPATCHED: frozenset({_S.COMPLETED, _S.FAILED, _S.CANCELLED, _S.QUEUED}),
+    **{terminal: frozenset() for terminal in TERMINAL_STATES},
+}
+
+
+class IllegalTransition(ValueError):
+    """A shell tried to move a request along an edge that does not exist (a bug)."""
+
+
+def advance(current: RequestState, target: RequestState) -> RequestState:
+    """Return ``target`` if ``current -> target`` is a legal edge, else raise."""
+    if target not in _TRANSITIONS[current]:
+        raise IllegalTransition(f"request cannot go from {current.value} to {target.value}")
+    return target
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What the scheduler knows about one call.
+
+    ``priority`` is a level index: 0 is the most urgent. Times are monotonic seconds.
+    """
+
+    id: str
+    model: str
+    priority: int
+    arrival_at: float
+    deadline_at: float | None = None  # the caller's own deadline; the level's timeout also applies
+    cost_tokens: int = 1  # estimated prompt + output tokens, for token budgets
+    attempt: int = field(default=0, compare=False)  # 1 on the retry after a replica crash
+
+    def __post_init__(self) -> None:
+        if self.priority < 0:
+            raise ValueError(f"request {self.id}: priority must be >= 0, got {self.priority}")
+        if self.cost_tokens < 0:
+            raise ValueError(f"request {self.id}: cost_tokens must be >= 0")
