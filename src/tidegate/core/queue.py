@@ -253,20 +253,22 @@ class WaitQueue:
                     f"queue is full ({self.config.max_size}) with nothing less urgent to shed",
                 )
             shed = (victim,)
-        self._insert(request, deadline_at, front=False)
+        self._insert(request, deadline_at)
         self._count(level, RequestState.QUEUED)
         return Admitted(request, deadline_at, shed)
 
     def requeue(self, request: Request, now: float) -> None:
         """Put back a dispatched request whose replica failed before it started.
 
-        It goes to the front of its level (it is older than the arrivals behind it) and
-        skips admission: it was admitted once, and refusing it now would lose it.
+        It goes back to its place by arrival, near the front of its level, and skips
+        admission: it was admitted once, and refusing it now would lose it.
         """
         level = self._check_level(request)
+        if request.id in self._live:
+            raise ValueError(f"request {request.id} is already queued")
         spec = self.config.levels[level]
         deadline_at = _earliest(request.deadline_at, spec.timeout_s, request.arrival_at)
-        self._insert(request, deadline_at, front=True)
+        self._insert(request, deadline_at)
         self._count(level, RequestState.QUEUED)
 
     # ------------------------------------------------------------- removal
@@ -339,14 +341,19 @@ class WaitQueue:
         key = (level, state)
         self._outcomes[key] = self._outcomes.get(key, 0) + 1
 
-    def _insert(self, request: Request, deadline_at: float | None, *, front: bool) -> None:
+    def _insert(self, request: Request, deadline_at: float | None) -> None:
         entry = _Entry(request, deadline_at, self._seq)
         self._seq += 1
         fifo = self._fifos[request.priority]
-        if front:
-            fifo.appendleft(entry)
+        if not fifo or fifo[-1].request.arrival_at <= request.arrival_at:
+            fifo.append(entry)  # the common case: a new arrival
         else:
-            fifo.append(entry)
+            # A retried request: after every entry that arrived no later, so the FIFO stays
+            # ordered by arrival. Only requeue gets here; it scans the few older entries.
+            position = 0
+            while fifo[position].request.arrival_at <= request.arrival_at:
+                position += 1
+            fifo.insert(position, entry)
         self._live[request.id] = entry
         self._depths[request.priority] += 1
         self._num_tokens += request.cost_tokens
