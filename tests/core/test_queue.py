@@ -377,3 +377,12 @@ def test_many_cancellations_keep_memory_bounded() -> None:
     assert len(queue._fifos[2]) < 200  # compaction ran
     assert len(queue._deadlines) < 200
     assert ids(queue.pop(5, 0.0)) == ["keep"]
+
+
+def test_popped_entries_leave_their_fifo_at_once() -> None:
+    # Dead entries left at the front would make every later pick step over them.
+    queue = WaitQueue(QueueConfig(max_size=10_000))
+    admit_all(queue, *(req(f"r{i}", i % 3) for i in range(3000)))
+    for _ in range(1000):
+        queue.pop(2, 0.0)
+    assert sum(len(fifo) for fifo in queue._fifos) == len(queue) == 1000

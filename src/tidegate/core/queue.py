@@ -183,8 +183,9 @@ class WaitQueue:
         return dict(self._outcomes)
 
     def oldest_arrival_at(self) -> float | None:
-        heads = [head.request.arrival_at for head in self._heads(None)]
-        return min(heads) if heads else None
+        fronts = [self._front(level) for level in range(len(self._fifos))]
+        arrivals = [entry.request.arrival_at for entry in fronts if entry is not None]
+        return min(arrivals) if arrivals else None
 
     def next_deadline_at(self) -> float | None:
         """When ``expire`` will next have something to return: a timer for the caller."""
@@ -300,6 +301,10 @@ class WaitQueue:
         for entry in chosen:
             self._remove(entry)
             self._count(entry.request.priority, RequestState.DISPATCHED)
+        # Picked entries were at the fronts of their FIFOs: drop them now, so dead entries
+        # never pile up where every later pick would have to step over them.
+        for level in {entry.request.priority for entry in chosen}:
+            self._front(level)
         return tuple(entry.request for entry in chosen)
 
     def cancel(self, request_id: str) -> Request | None:
@@ -350,9 +355,11 @@ class WaitQueue:
         else:
             # A retried request: after every entry that arrived no later, so the FIFO stays
             # ordered by arrival. Only requeue gets here; it scans the few older entries.
-            position = 0
-            while fifo[position].request.arrival_at <= request.arrival_at:
-                position += 1
+            position = next(
+                index
+                for index, queued in enumerate(fifo)
+                if queued.request.arrival_at > request.arrival_at
+            )
             fifo.insert(position, entry)
         self._live[request.id] = entry
         self._depths[request.priority] += 1
@@ -387,51 +394,54 @@ class WaitQueue:
             return entry.request
         return None
 
-    def _heads(self, levels: Iterable[int] | None) -> Iterator[_Entry]:
-        for level in range(len(self._fifos)) if levels is None else levels:
-            fifo = self._fifos[level]
-            while fifo and not fifo[0].alive:
-                fifo.popleft()
-            if fifo:
-                yield fifo[0]
+    def _front(self, level: int) -> _Entry | None:
+        """The oldest live entry of ``level``, dropping dead entries ahead of it."""
+        fifo = self._fifos[level]
+        while fifo and not fifo[0].alive:
+            fifo.popleft()
+        return fifo[0] if fifo else None
 
     def _select(
         self, n: int, now: float, max_tokens: int | None, levels: Iterable[int] | None
     ) -> list[_Entry]:
-        """Merge the level FIFOs by (effective priority, arrival, seq), stopping early."""
-        aging = self.config.aging
+        """Merge the level FIFOs by (effective priority, arrival, seq), stopping early.
+
+        Each candidate is (key, level, entry, cursor); keys are unique (seq), so ``min``
+        never compares past the key.
+        """
         wanted = range(len(self._fifos)) if levels is None else sorted(set(levels))
-        cursors: list[tuple[int, Iterator[_Entry]]] = [
-            (level, iter(self._fifos[level])) for level in wanted if self._depths[level]
-        ]
-        heads: dict[int, _Entry] = {}
-        for level, cursor in cursors:
-            entry = _next_alive(cursor)
-            if entry is not None:
-                heads[level] = entry
-        iters = dict(cursors)
+        heads: list[tuple[tuple[float, float, int], int, _Entry, Iterator[_Entry]]] = []
+        for level in wanted:
+            head = self._front(level)
+            if head is None:
+                continue
+            cursor = iter(self._fifos[level])
+            next(cursor)  # the head itself
+            heads.append(self._candidate(head, cursor, now))
         chosen: list[_Entry] = []
         tokens = 0
         while heads and len(chosen) < n:
-            level, entry = min(
-                heads.items(),
-                key=lambda item: (
-                    effective_priority(item[0], item[1].request.arrival_at, now, aging),
-                    item[1].request.arrival_at,
-                    item[1].seq,
-                ),
-            )
+            best = min(heads)
+            entry = best[2]
             cost = entry.request.cost_tokens
             if max_tokens is not None and chosen and tokens + cost > max_tokens:
                 break
             chosen.append(entry)
             tokens += cost
-            following = _next_alive(iters[level])
+            following = _next_alive(best[3])
+            index = heads.index(best)
             if following is None:
-                del heads[level]
+                del heads[index]
             else:
-                heads[level] = following
+                heads[index] = self._candidate(following, best[3], now)
         return chosen
+
+    def _candidate(
+        self, entry: _Entry, cursor: Iterator[_Entry], now: float
+    ) -> tuple[tuple[float, float, int], int, _Entry, Iterator[_Entry]]:
+        request = entry.request
+        effective = effective_priority(request.priority, request.arrival_at, now, self.config.aging)
+        return ((effective, request.arrival_at, entry.seq), request.priority, entry, cursor)
 
 
 def _next_alive(cursor: Iterator[_Entry]) -> _Entry | None:
