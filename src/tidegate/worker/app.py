@@ -1,0 +1,499 @@
+"""The worker's HTTP API: OpenAI-compatible endpoints of one engine replica.
+
+The gateway treats a worker exactly like a vLLM server. Extra: ``/stats`` (what the gateway
+needs for flow control), ``/readyz`` gated on warm-up, and the ``X-Tidegate-Priority``
+header that orders the worker's local queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+import uuid
+from array import array
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tidegate import wire
+from tidegate.asgi import (
+    SSE_DONE,
+    SSE_HEADERS,
+    ClientGone,
+    install_error_handlers,
+    json_body,
+    sse,
+    unless_disconnected,
+)
+from tidegate.engines.base import (
+    EmbeddingEngine,
+    Engine,
+    GenerationEngine,
+    ModelCard,
+    SamplingParams,
+    TokenEvent,
+)
+from tidegate.engines.registry import build_engine
+from tidegate.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    NotReady,
+    Overloaded,
+    PromptTooLong,
+    TidegateError,
+)
+from tidegate.worker.runtime import WORKER_LEVELS, Worker, WorkerSettings
+
+log = logging.getLogger("tidegate.worker")
+PRIORITY_HEADER = "x-tidegate-priority"
+DEFAULT_LEVEL = 1  # medium, as the gateway's default for keyless requests
+LEVEL_NAMES = [spec.name for spec in WORKER_LEVELS]
+CHAT_DEFAULT_MAX_TOKENS = 256
+
+
+def default_engine_factory(settings: WorkerSettings) -> Engine:
+    return build_engine(
+        settings.model,
+        settings.engine,
+        model_path=settings.model_path,
+        device=settings.device,
+        profile=settings.profile,
+        task=settings.task,
+        seed=settings.seed,
+        max_num_seqs=settings.max_num_seqs,
+    )
+
+
+def create_app(
+    settings: WorkerSettings,
+    engine_factory: Callable[[WorkerSettings], Engine] = default_engine_factory,
+    on_fatal: Callable[[], None] | None = None,
+) -> FastAPI:
+    worker = Worker(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async def start() -> None:
+            try:
+                await worker.start(engine_factory)
+            except Exception:
+                if on_fatal is not None:
+                    on_fatal()
+
+        starter = asyncio.create_task(start(), name="worker-start")
+        try:
+            yield
+        finally:
+            starter.cancel()
+            await asyncio.gather(starter, return_exceptions=True)
+            await worker.stop()
+
+    app = FastAPI(title="tidegate worker", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.worker = worker
+    install_error_handlers(app)
+
+    @app.get("/livez")
+    async def livez() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        body: dict[str, Any] = {"status": worker.phase, "model": settings.model}
+        if worker.error:
+            body["error"] = worker.error
+        return JSONResponse(body, 200 if worker.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        _refresh_gauges(worker)
+        return Response(generate_latest(worker.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        return _stats(worker)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_entry(worker)]}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = wire.parse(wire.EmbeddingsRequest, await json_body(request))
+        engine = _engine_for(worker, body.model, "embeddings")
+        assert isinstance(engine, EmbeddingEngine)
+        priority = _priority(request)
+        texts = _texts(body, engine.card)
+        tokens = engine.count_tokens(texts)
+        for index, count in enumerate(tokens):
+            if count > engine.card.max_context_tokens:
+                raise PromptTooLong(
+                    f"input[{index}] has {count} tokens; {engine.card.name} accepts at most "
+                    f"{engine.card.max_context_tokens}",
+                    param="input",
+                )
+        assert worker.batcher is not None
+        started = time.monotonic()
+        with _outcome(worker, priority) as outcome:
+            vectors = await unless_disconnected(
+                request, worker.batcher.embed(texts, tokens, priority)
+            )
+            outcome.observe_e2e(time.monotonic() - started)
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+            for i, v in enumerate(vectors)
+        ]
+        usage = {"prompt_tokens": sum(tokens), "total_tokens": sum(tokens)}
+        worker.metrics.tokens.labels(settings.model, "prompt").inc(sum(tokens))
+        return JSONResponse({"object": "list", "data": data, "model": body.model, "usage": usage})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = wire.parse(wire.CompletionRequest, await json_body(request))
+        engine = _engine_for(worker, body.model, "generate")
+        assert isinstance(engine, GenerationEngine)
+        prompt_ids = engine.encode(body.prompt_text())
+        params = _sampling(body, body.max_tokens, engine.card, len(prompt_ids), 16)
+        return await _generate(request, worker, body, prompt_ids, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = wire.parse(wire.ChatCompletionRequest, await json_body(request))
+        engine = _engine_for(worker, body.model, "generate")
+        assert isinstance(engine, GenerationEngine)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt_ids = engine.encode_chat(messages)
+        default = min(CHAT_DEFAULT_MAX_TOKENS, engine.card.max_output_tokens)
+        params = _sampling(body, body.output_limit(), engine.card, len(prompt_ids), default)
+        return await _generate(request, worker, body, prompt_ids, params, chat=True)
+
+    return app
+
+
+# --------------------------------------------------------------------------- validation
+def _engine_for(worker: Worker, model: str, task: str) -> Engine:
+    if model != worker.settings.model:
+        raise ModelNotFound(
+            f"model {model!r} is not served here; this worker serves {worker.settings.model!r}",
+            param="model",
+        )
+    if not worker.ready or worker.engine is None:
+        raise NotReady(f"model {model} is {worker.phase}", code="not_ready", retry_after_s=1.0)
+    engine = worker.engine
+    if engine.card.task != task:
+        other = "/v1/embeddings" if engine.card.task == "embeddings" else "/v1/completions"
+        raise InvalidRequest(
+            f"model {model} is a{'n' if task == 'generate' else ''} "
+            f"{engine.card.task} model; use {other}",
+            param="model",
+            code="wrong_task",
+        )
+    return engine
+
+
+def _priority(request: Request) -> int:
+    raw = request.headers.get(PRIORITY_HEADER)
+    if raw is None:
+        return DEFAULT_LEVEL
+    value = raw.strip().lower()
+    if value in LEVEL_NAMES:
+        return LEVEL_NAMES.index(value)
+    if value.isdigit() and int(value) < len(LEVEL_NAMES):
+        return int(value)
+    raise InvalidRequest(
+        f"X-Tidegate-Priority must be one of {', '.join(LEVEL_NAMES)} or 0..{len(LEVEL_NAMES) - 1}",
+        param="X-Tidegate-Priority",
+    )
+
+
+def _texts(body: wire.EmbeddingsRequest, card: ModelCard) -> list[str]:
+    raw = body.input
+    if isinstance(raw, str):
+        texts = [raw]
+    elif all(isinstance(item, str) for item in raw):
+        texts = [str(item) for item in raw]
+    else:
+        raise InvalidRequest("token-id inputs are not supported; send text", param="input")
+    if len(texts) > card.max_inputs:
+        raise InvalidRequest(
+            f"{len(texts)} inputs; at most {card.max_inputs} per request", param="input"
+        )
+    if body.dimensions is not None and body.dimensions != card.dimensions:
+        raise InvalidRequest(
+            f"{card.name} returns {card.dimensions} dimensions; it cannot return {body.dimensions}",
+            param="dimensions",
+        )
+    return texts
+
+
+def _sampling(
+    body: wire.CompletionRequest | wire.ChatCompletionRequest,
+    max_tokens: int | None,
+    card: ModelCard,
+    prompt_tokens: int,
+    default_max_tokens: int,
+) -> SamplingParams:
+    if prompt_tokens >= card.max_context_tokens:
+        raise PromptTooLong(
+            f"prompt has {prompt_tokens} tokens; {card.name}'s context is "
+            f"{card.max_context_tokens} tokens",
+            param="messages" if isinstance(body, wire.ChatCompletionRequest) else "prompt",
+        )
+    limit = min(card.max_output_tokens, card.max_context_tokens - prompt_tokens)
+    wanted = max_tokens if max_tokens is not None else min(default_max_tokens, limit)
+    if wanted > limit:
+        raise InvalidRequest(
+            f"max_tokens={wanted} is above the limit of {limit} for this prompt "
+            f"({prompt_tokens} prompt tokens, context {card.max_context_tokens}, "
+            f"output at most {card.max_output_tokens})",
+            param="max_tokens",
+        )
+    return SamplingParams(
+        max_tokens=wanted,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        stop=tuple(body.stop_list()),
+        seed=body.seed,
+    )
+
+
+# --------------------------------------------------------------------------- generation
+async def _generate(
+    request: Request,
+    worker: Worker,
+    body: wire.CompletionRequest | wire.ChatCompletionRequest,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    chat: bool,
+) -> Response:
+    assert worker.sequences is not None
+    priority = _priority(request)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    chunks = _Chunks(rid, body.model, created, chat)
+    usage = {"prompt_tokens": len(prompt_ids)}
+    events = worker.sequences.stream(rid, prompt_ids, params, priority)
+    if not body.stream:
+        started = time.monotonic()
+        with _outcome(worker, priority) as outcome:
+            text, made, finish = await unless_disconnected(request, _collect(events))
+            outcome.observe_e2e(time.monotonic() - started)
+        _count_tokens(worker, len(prompt_ids), made)
+        usage |= {"completion_tokens": made, "total_tokens": len(prompt_ids) + made}
+        return JSONResponse(chunks.whole(text, finish, usage))
+
+    # Streaming: admission errors must surface as a status code, before the first byte.
+    first = await _first_event(worker, priority, events)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def body_iter() -> AsyncIterator[bytes]:
+        started = time.monotonic()
+        made = 0
+        with _outcome(worker, priority) as outcome:
+            try:
+                if chat:
+                    yield sse(chunks.delta({"role": "assistant", "content": ""}, None))
+                event: TokenEvent | None = first
+                while event is not None:
+                    if made == 0:
+                        outcome.observe("ttft", time.monotonic() - started)
+                    made = event.num_tokens
+                    content = {"content": event.text} if chat else event.text
+                    yield sse(chunks.delta(content, event.finish_reason))
+                    event = await anext(events, None)
+                if include_usage:
+                    usage.update(completion_tokens=made, total_tokens=len(prompt_ids) + made)
+                    yield sse(chunks.usage_only(usage))
+                yield SSE_DONE
+                outcome.observe_e2e(time.monotonic() - started)
+            except TidegateError as exc:
+                outcome.fail(exc)
+                yield sse(exc.body())
+                yield SSE_DONE
+            finally:
+                await events.aclose()
+                _count_tokens(worker, len(prompt_ids), made)
+
+    return StreamingResponse(body_iter(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _first_event(
+    worker: Worker, priority: int, events: AsyncIterator[TokenEvent]
+) -> TokenEvent | None:
+    try:
+        return await anext(events, None)
+    except TidegateError as exc:
+        worker.metrics.requests.labels(
+            worker.settings.model, LEVEL_NAMES[priority], _outcome_name(exc)
+        ).inc()
+        raise
+
+
+async def _collect(events: AsyncIterator[TokenEvent]) -> tuple[str, int, str | None]:
+    parts: list[str] = []
+    made = 0
+    finish: str | None = None
+    async for event in events:
+        parts.append(event.text)
+        made = event.num_tokens
+        finish = event.finish_reason
+    return "".join(parts), made, finish
+
+
+class _Chunks:
+    """OpenAI response shapes of one completion, whole or as stream chunks."""
+
+    def __init__(self, rid: str, model: str, created: int, chat: bool) -> None:
+        self.rid, self.model, self.created, self.chat = rid, model, created, chat
+
+    def _envelope(self, suffix: str) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {
+            "id": self.rid,
+            "object": kind + suffix,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def whole(self, text: str, finish: str | None, usage: dict[str, int]) -> dict[str, Any]:
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._envelope("") | {"choices": [choice], "usage": usage}
+
+    def delta(self, content: Any, finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
+            return self._envelope(".chunk") | {"choices": [choice]}
+        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+        return self._envelope("") | {"choices": [choice]}
+
+    def usage_only(self, usage: dict[str, int]) -> dict[str, Any]:
+        suffix = ".chunk" if self.chat else ""
+        return self._envelope(suffix) | {"choices": [], "usage": usage}
+
+
+# --------------------------------------------------------------------------- accounting
+class _Outcome:
+    """Counts one request's terminal outcome exactly once."""
+
+    def __init__(self, worker: Worker, priority: int) -> None:
+        self.model = worker.settings.model
+        self.priority = LEVEL_NAMES[priority]
+        self.metrics = worker.metrics
+        self.name: str | None = None
+
+    def observe(self, phase: str, seconds: float) -> None:
+        self.metrics.request_duration.labels(self.model, self.priority, phase).observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self.observe("e2e", seconds)
+        self.name = self.name or "completed"
+
+    def fail(self, exc: BaseException) -> None:
+        self.name = self.name or _outcome_name(exc)
+
+
+def _outcome_name(exc: BaseException) -> str:
+    if isinstance(exc, ClientGone | asyncio.CancelledError | GeneratorExit):
+        return "cancelled"
+    if isinstance(exc, Overloaded):
+        return exc.code or "rejected_full"
+    return "failed"
+
+
+@contextlib.contextmanager
+def _outcome(worker: Worker, priority: int) -> Any:
+    outcome = _Outcome(worker, priority)
+    try:
+        yield outcome
+    except BaseException as exc:
+        outcome.fail(exc)
+        raise
+    finally:
+        outcome.name = outcome.name or "cancelled"  # a stream closed without finishing
+        worker.metrics.requests.labels(outcome.model, outcome.priority, outcome.name).inc()
+
+
+def _count_tokens(worker: Worker, prompt: int, completion: int) -> None:
+    worker.metrics.tokens.labels(worker.settings.model, "prompt").inc(prompt)
+    worker.metrics.tokens.labels(worker.settings.model, "completion").inc(completion)
+
+
+def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(array("f", vector).tobytes()).decode()
+    return vector
+
+
+def _model_entry(worker: Worker) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "id": worker.settings.model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "tidegate",
+        "ready": worker.ready,
+    }
+    if worker.engine is not None:
+        card = worker.engine.card
+        entry |= {
+            "task": card.task,
+            "engine": card.engine,
+            "synthetic": card.synthetic,
+            "description": card.description,
+            "max_model_len": card.max_context_tokens,
+        }
+    return entry
+
+
+def _stats(worker: Worker) -> dict[str, Any]:
+    now = time.monotonic()
+    s = worker.settings
+    base: dict[str, Any] = {"model": s.model, "phase": worker.phase, "ready": worker.ready}
+    if worker.batcher is not None:
+        b = worker.batcher
+        return base | {
+            "task": "embeddings",
+            "queued": len(b.queue),
+            "queued_by_priority": dict(zip(LEVEL_NAMES, b.queue.depths(), strict=True)),
+            "in_flight": len(b.queue) + b.num_running,
+            "running": b.num_running,
+            "slots": b.slots,
+            "max_batch_size": b.batch.max_batch_size,
+            "throughput_per_s": round(b.throughput.per_s(now), 3),
+        }
+    if worker.sequences is not None:
+        q = worker.sequences
+        return base | {
+            "task": "generate",
+            "queued": len(q.queue),
+            "queued_by_priority": dict(zip(LEVEL_NAMES, q.queue.depths(), strict=True)),
+            "in_flight": len(q.queue) + q.num_running,
+            "running": q.num_running,
+            "slots": q.slots,
+            "max_batch_size": q.max_num_seqs,
+            "throughput_per_s": round(q.throughput.per_s(now), 3),
+        }
+    return base | {"queued": 0, "in_flight": 0, "running": 0, "slots": 0}
+
+
+def _refresh_gauges(worker: Worker) -> None:
+    model = worker.settings.model
+    scheduler = worker.batcher or worker.sequences
+    if scheduler is None:
+        return
+    for name, depth in zip(LEVEL_NAMES, scheduler.queue.depths(), strict=True):
+        worker.metrics.queue_depth.labels(model, name).set(depth)
+    worker.metrics.inflight.labels(model).set(scheduler.num_running)

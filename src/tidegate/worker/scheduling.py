@@ -1,0 +1,239 @@
+"""The worker's two scheduling loops, both over a core WaitQueue.
+
+- ``EmbeddingBatcher`` (dynamic batching, request level): every input of every request is
+  one queue entry; one owner task asks core ``plan_batch`` when to release a batch, pops it
+  in priority order and runs it on the engine, one batch at a time.
+- ``SequenceScheduler`` (continuous batching, iteration level): a sequence waits in the
+  queue until one of ``max_num_seqs`` slots is free, then joins the engine's running batch;
+  a finished or cancelled sequence frees its slot at once and the most urgent waiting one
+  takes it. Both are event-driven: they wake on an arrival, a slot freed or a window's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import deque
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+from tidegate.clock import SYSTEM_CLOCK, Clock
+from tidegate.core.batching import BatchConfig, BatchView, Release, plan_batch
+from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
+from tidegate.core.request import Request
+from tidegate.engines.base import EmbeddingEngine, GenerationEngine, SamplingParams, TokenEvent
+from tidegate.errors import Overloaded, ReplicaFailed
+from tidegate.metrics import WorkerMetrics
+
+# Completions remembered for the recent-throughput figure of /stats.
+_THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass
+class Throughput:
+    """Items completed per second over the last few seconds."""
+
+    window_s: float = _THROUGHPUT_WINDOW_S
+    _events: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def record(self, now: float, count: int) -> None:
+        self._events.append((now, count))
+
+    def per_s(self, now: float) -> float:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+        return sum(count for _, count in self._events) / self.window_s
+
+
+def _refuse(decision: Rejected) -> Overloaded:
+    return Overloaded(
+        f"worker queue: {decision.message}",
+        code=decision.reason.value,
+        retry_after_s=decision.retry_after_s or 1.0,
+    )
+
+
+def _shed(victim: Request) -> Overloaded:
+    return Overloaded(
+        "worker queue full: shed for a more urgent request", code="shed", retry_after_s=1.0
+    )
+
+
+class EmbeddingBatcher:
+    def __init__(
+        self,
+        engine: EmbeddingEngine,
+        batch: BatchConfig,
+        queue: QueueConfig,
+        metrics: WorkerMetrics,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.engine = engine
+        self.batch = batch
+        self.queue = WaitQueue(queue)
+        self.metrics = metrics
+        self.clock = clock
+        self.throughput = Throughput()
+        self.num_running = 0  # inputs in the batch on the engine now
+        self._texts: dict[str, str] = {}
+        self._results: dict[str, asyncio.Future[list[float]]] = {}
+        self._wake = asyncio.Event()
+        self._ids = itertools.count()
+
+    @property
+    def slots(self) -> int:
+        # A replica holds what it can batch soon: the running batch and the next one.
+        return 2 * self.batch.max_batch_size
+
+    async def embed(
+        self, texts: Sequence[str], tokens: Sequence[int], priority: int
+    ) -> list[list[float]]:
+        """Queue every input, wait for all; cancelling this removes what is still queued."""
+        now = self.clock.now()
+        loop = asyncio.get_running_loop()
+        ids: list[str] = []
+        try:
+            for text, cost in zip(texts, tokens, strict=True):
+                rid = f"e{next(self._ids)}"
+                decision = self.queue.admit(
+                    Request(rid, self.engine.card.name, priority, now, cost_tokens=cost), now
+                )
+                if isinstance(decision, Rejected):
+                    raise _refuse(decision)
+                for victim in decision.shed:
+                    self._settle(victim.id, exc=_shed(victim))
+                ids.append(rid)
+                self._texts[rid] = text
+                self._results[rid] = loop.create_future()
+            self._wake.set()
+            return list(await asyncio.gather(*(self._results[rid] for rid in ids)))
+        finally:
+            for rid in ids:
+                self.queue.cancel(rid)  # no-op for inputs already batched
+                self._texts.pop(rid, None)
+                future = self._results.pop(rid, None)
+                if future is not None and not future.done():
+                    future.cancel()
+
+    async def run(self) -> None:
+        """The owner loop: plan, pop, run; sleep until the next arrival or window end."""
+        while True:
+            now = self.clock.now()
+            view = BatchView(self.queue.peek(self.batch.max_batch_size + 1, now), len(self.queue))
+            plan = plan_batch(view, self.batch, now)
+            if isinstance(plan, Release):
+                batch = self.queue.pop(len(plan.batch), now, self.batch.max_batch_tokens)
+                await self._run_batch(batch)
+                continue
+            self._wake.clear()
+            timeout = None if plan.at is None else max(0.0, plan.at - now)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def _run_batch(self, batch: Sequence[Request]) -> None:
+        texts = [self._texts[r.id] for r in batch]
+        self.num_running = len(batch)
+        started = self.clock.now()
+        try:
+            vectors = await self.engine.embed(texts)
+        except Exception as exc:  # the engine failed this batch: fail its requests, go on
+            failure = ReplicaFailed(f"engine {self.engine.card.name}: {exc}")
+            for r in batch:
+                self._settle(r.id, exc=failure)
+            return
+        finally:
+            self.num_running = 0
+        done = self.clock.now()
+        self.metrics.batch_size.labels(self.engine.card.name).observe(len(batch))
+        self.metrics.batch_duration.labels(self.engine.card.name).observe(done - started)
+        self.throughput.record(done, len(batch))
+        self.queue.drain.record(done, len(batch))
+        for r, vector in zip(batch, vectors, strict=True):
+            self._settle(r.id, vector)
+
+    def _settle(
+        self, rid: str, vector: list[float] | None = None, exc: BaseException | None = None
+    ) -> None:
+        future = self._results.get(rid)
+        if future is None or future.done():
+            return  # its request was cancelled meanwhile
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(vector or [])
+
+
+class SequenceScheduler:
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        max_num_seqs: int,
+        queue: QueueConfig,
+        metrics: WorkerMetrics,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.engine = engine
+        self.max_num_seqs = max_num_seqs
+        self.queue = WaitQueue(queue)
+        self.metrics = metrics
+        self.clock = clock
+        self.throughput = Throughput()
+        self.num_running = 0
+        self._granted: dict[str, asyncio.Future[None]] = {}
+
+    @property
+    def slots(self) -> int:
+        return self.max_num_seqs
+
+    async def stream(
+        self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams, priority: int
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """Wait for a slot in priority order, then stream the sequence's tokens."""
+        now = self.clock.now()
+        request = Request(
+            seq_id,
+            self.engine.card.name,
+            priority,
+            now,
+            cost_tokens=len(prompt_ids) + params.max_tokens,
+        )
+        decision = self.queue.admit(request, now)
+        if isinstance(decision, Rejected):
+            raise _refuse(decision)
+        for victim in decision.shed:
+            self._granted.pop(victim.id).set_exception(_shed(victim))
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._granted[seq_id] = granted
+        self._fill_slots()
+        try:
+            await granted
+        except BaseException:
+            self._granted.pop(seq_id, None)
+            self.queue.cancel(seq_id)
+            if granted.done() and not granted.cancelled() and granted.exception() is None:
+                self._release_slot()  # the slot was granted just as this request went away
+            raise
+        made = 0
+        try:
+            async for event in self.engine.generate(seq_id, prompt_ids, params):
+                made = event.num_tokens
+                yield event
+        finally:
+            self.throughput.record(self.clock.now(), made)
+            self.queue.drain.record(self.clock.now())
+            self._release_slot()
+
+    def _release_slot(self) -> None:
+        self.num_running -= 1
+        self._fill_slots()
+
+    def _fill_slots(self) -> None:
+        """Start the most urgent waiting sequences while slots are free."""
+        now = self.clock.now()
+        while self.num_running < self.max_num_seqs and len(self.queue):
+            (request,) = self.queue.pop(1, now)
+            granted = self._granted.pop(request.id)
+            self.num_running += 1
+            self.metrics.batch_size.labels(self.engine.card.name).observe(self.num_running)
+            granted.set_result(None)

@@ -1,0 +1,52 @@
+"""The MiniLM engine matches sentence-transformers' own encode."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tidegate.engines.embeddings import TransformersEmbeddings, minilm_path
+
+TEXTS = [
+    "The cat sits on the mat.",
+    "A man is playing a guitar.",
+    "tidegate keeps interactive requests fast while batch work fills the gaps.",
+    "Ünïcödé and emoji 🚀 survive tokenization.",
+    "A long input beyond the 256-token window is truncated the same way. " * 40,
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> TransformersEmbeddings:
+    engine = TransformersEmbeddings("minilm")
+    engine.load()
+    return engine
+
+
+def test_cosine_against_sentence_transformers_is_at_least_0_999(
+    engine: TransformersEmbeddings,
+) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(minilm_path()), device="cpu").encode(TEXTS)
+    ours = np.array(asyncio.run(engine.embed(TEXTS)))
+    reference = reference / np.linalg.norm(reference, axis=1, keepdims=True)
+    cosine = (ours * reference).sum(axis=1)
+    assert cosine.min() >= 0.999, cosine
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+def test_card_and_token_counts(engine: TransformersEmbeddings) -> None:
+    assert engine.card.dimensions == 384
+    assert engine.card.max_context_tokens == 512
+    counts = engine.count_tokens(["hello world", TEXTS[-1]])
+    assert counts[0] == 4  # [CLS] hello world [SEP]
+    assert counts[1] > 256  # counted before truncation, for the context check
+
+
+def test_memory_reports_weights_and_peak(engine: TransformersEmbeddings) -> None:
+    memory = engine.memory()
+    assert 80e6 < memory.weights_bytes < 100e6  # 22.7M float32 parameters
+    assert memory.peak_bytes > memory.weights_bytes

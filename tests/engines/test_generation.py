@@ -1,0 +1,349 @@
+"""The transformers generation engine on the synthetic tiny-llama, on CPU.
+
+One engine is loaded for the module (the continuous batching manager and its threads);
+the tests that kill or close an engine load their own small one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from tidegate.engines.base import GenerationEngine, SamplingParams, TokenEvent
+from tidegate.engines.generation import (
+    IncrementalDetokenizer,
+    TransformersGenerator,
+    cache_sizing,
+)
+from tidegate.engines.tiny_llama import MARKER, ensure_tiny_llama, tiny_llama_dir
+from tidegate.errors import PromptTooLong, ReplicaFailed
+
+GREEDY = 0.0
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        root = tmp_path_factory.mktemp("cache")
+        ensure_tiny_llama(root)
+        yield root
+
+
+@pytest.fixture(scope="module")
+def engine(cache: Path) -> Iterator[TransformersGenerator]:
+    engine = TransformersGenerator(
+        "tiny-llama", synthetic=True, max_num_seqs=8, seed=0, cache_dir=cache
+    )
+    # The worker loads off its event loop, in a thread: so does this.
+    loader = threading.Thread(target=engine.load)
+    loader.start()
+    loader.join(timeout=120)
+    assert engine.card.max_context_tokens > 0
+    yield engine
+    engine.close()
+
+
+async def run(
+    engine: GenerationEngine, seq_id: str, prompt: str, params: SamplingParams
+) -> list[TokenEvent]:
+    return [event async for event in engine.generate(seq_id, engine.encode(prompt), params)]
+
+
+async def drain(stream: AsyncIterator[TokenEvent]) -> None:
+    async for _ in stream:
+        pass
+
+
+def text_of(events: list[TokenEvent]) -> str:
+    return "".join(event.text for event in events)
+
+
+def non_daemon_threads() -> set[threading.Thread]:
+    """Threads that would keep the interpreter alive, less the event loop's own executor."""
+    main = threading.main_thread()
+    return {
+        t
+        for t in threading.enumerate()
+        if not t.daemon and t is not main and not t.name.startswith("asyncio_")
+    }
+
+
+# --------------------------------------------------------------------------- the model folder
+def test_build_writes_the_same_bytes_every_time(cache: Path, tmp_path: Path) -> None:
+    first = tiny_llama_dir(cache)
+    second = ensure_tiny_llama(tmp_path)
+    names = sorted(p.name for p in first.iterdir())
+    assert {"model.safetensors", "tokenizer.json", "config.json", MARKER} <= set(names)
+    assert names == sorted(p.name for p in second.iterdir())
+    for name in names:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    assert "RANDOM WEIGHTS" in (first / MARKER).read_text()
+
+
+def test_a_built_folder_is_reused_and_racing_builds_end_with_one_folder(tmp_path: Path) -> None:
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(ensure_tiny_llama(tmp_path)))
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 2
+    assert results[0] == results[1] == tiny_llama_dir(tmp_path)
+    stamp = (results[0] / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny_llama(tmp_path) == results[0]
+    assert (results[0] / "model.safetensors").stat().st_mtime_ns == stamp
+    # No scratch folder is left behind by the build that lost the race.
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [results[0].name]
+
+
+def test_the_cache_folder_defaults_to_tidegate_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TIDEGATE_CACHE", str(tmp_path))
+    assert tiny_llama_dir() == tmp_path / "models" / "tiny-llama-v1"
+
+
+def test_it_loads_like_any_local_folder(cache: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tiny_llama_dir(cache)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    text = "héllo, tidegate 🌊"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text  # lossless bytes
+    assert model.config.max_position_embeddings >= 1024
+    assert tokenizer.eos_token_id == model.config.eos_token_id == 2
+
+
+@pytest.mark.asyncio
+async def test_a_local_folder_serves_greedy_text_as_transformers_generate(cache: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    folder = tiny_llama_dir(cache)
+    engine = TransformersGenerator("local", model_path=str(folder), max_num_seqs=2)
+    await asyncio.to_thread(engine.load)
+    try:
+        assert not engine.card.synthetic
+        assert str(folder) in engine.card.description
+        prompt = engine.encode("hello tidegate")
+        params = SamplingParams(max_tokens=24, temperature=GREEDY)
+        events = [event async for event in engine.generate("g", prompt, params)]
+    finally:
+        await asyncio.to_thread(engine.close)
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    config = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=2, pad_token_id=0)
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            generation_config=config,
+        )
+    assert text_of(events) == engine.decode(out[0, len(prompt) :].tolist())
+
+
+# --------------------------------------------------------------------------- card and prompts
+def test_card_bounds_requests_by_the_kv_cache(engine: TransformersGenerator) -> None:
+    card = engine.card
+    assert isinstance(engine, GenerationEngine)
+    assert (card.task, card.engine, card.synthetic) == ("generate", "transformers", True)
+    assert "SYNTHETIC" in card.description
+    assert 0 < card.max_output_tokens < card.max_context_tokens
+    assert engine.sizing is not None
+    # One request can never outgrow the cache (that would kill the manager), and the
+    # cache holds max_num_seqs full-length sequences at once.
+    assert engine.sizing.capacity_tokens >= engine.max_num_seqs * card.max_context_tokens
+    memory = engine.memory()
+    assert memory.device == "cpu"
+    assert 100_000 < memory.weights_bytes < 10_000_000
+    assert memory.peak_bytes > memory.weights_bytes
+
+
+def test_cache_sizing_rounds_up_to_whole_pages() -> None:
+    sizing = cache_sizing(max_num_seqs=3, context_tokens=100, page_size=32)
+    assert sizing.num_blocks == 3 * 4
+    assert sizing.capacity_tokens >= 300
+
+
+def test_chat_prompts_use_the_template_or_a_plain_join(
+    engine: TransformersGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    templated = engine.decode(engine.encode_chat(messages))
+    assert templated == "user\nhi" + "assistant\n"  # specials <s> and </s> are not shown
+    monkeypatch.setattr(engine._tokenizer, "chat_template", None)
+    assert engine.decode(engine.encode_chat(messages)) == "user: hi\nassistant:"
+
+
+def test_detokenizer_holds_back_incomplete_characters(engine: TransformersGenerator) -> None:
+    text = "plain, accents é ü, wide 世界 and an emoji 🌊!"
+    ids = engine.encode(text)
+    detokenizer = IncrementalDetokenizer(engine.decode, engine.encode("prompt: "))
+    deltas = [detokenizer.update(ids[: n + 1]) for n in range(len(ids))]
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert "".join(deltas) == text
+    # A sequence ending mid-character still shows what it made.
+    cut = IncrementalDetokenizer(engine.decode, [])
+    partial = engine.encode("🌊")[:2]
+    assert cut.update(partial) == ""
+    assert cut.update(partial, final=True) == "\ufffd"
+
+
+# --------------------------------------------------------------------------- generation
+@pytest.mark.asyncio
+async def test_concurrent_sequences_each_get_their_own_length(
+    engine: TransformersGenerator,
+) -> None:
+    lengths = [1, 5, 17, 33, 40]
+    greedy = [SamplingParams(max_tokens=n, temperature=GREEDY) for n in lengths]
+    results = await asyncio.gather(
+        *(run(engine, f"len-{i}", "hello tidegate", p) for i, p in enumerate(greedy))
+    )
+    # Greedy from this prompt makes no end-of-sequence within 40 tokens.
+    for n, events in zip(lengths, results, strict=True):
+        assert events[-1].num_tokens == n
+        assert events[-1].finish_reason == "length"
+        assert all(e.finish_reason is None for e in events[:-1])
+        counts = [e.num_tokens for e in events]
+        assert counts == sorted(set(counts))  # strictly increasing
+    # Same prompt, greedy: the shorter outputs are prefixes of the longer ones.
+    texts = [text_of(events) for events in results]
+    for shorter, longer in itertools.pairwise(texts):
+        assert longer.startswith(shorter)
+    assert engine.num_running == 0
+
+
+@pytest.mark.asyncio
+async def test_sampled_sequences_end_by_length_or_end_of_sequence(
+    engine: TransformersGenerator,
+) -> None:
+    params = [SamplingParams(max_tokens=24 + 8 * i, temperature=1.0, top_p=0.95) for i in range(8)]
+    results = await asyncio.gather(
+        *(run(engine, f"sample-{i}", f"prompt number {i}", p) for i, p in enumerate(params))
+    )
+    for p, events in zip(params, results, strict=True):
+        last = events[-1]
+        assert last.finish_reason in {"stop", "length"}
+        if last.finish_reason == "length":
+            assert last.num_tokens == p.max_tokens
+        else:  # the random model drew its end-of-sequence token
+            assert 1 <= last.num_tokens <= p.max_tokens
+
+
+@pytest.mark.asyncio
+async def test_greedy_is_deterministic(engine: TransformersGenerator) -> None:
+    params = SamplingParams(max_tokens=32, temperature=GREEDY)
+    first = text_of(await run(engine, "greedy-a", "The tide gate", params))
+    second = text_of(await run(engine, "greedy-b", "The tide gate", params))
+    assert first
+    assert first == second
+
+
+@pytest.mark.asyncio
+async def test_a_stop_string_truncates_the_output(engine: TransformersGenerator) -> None:
+    full = text_of(await run(engine, "full", "stop here", SamplingParams(32, GREEDY)))
+    # A stop string from the middle of the greedy output: two visible characters.
+    start = next(
+        i
+        for i in range(3, len(full) - 2)
+        if full[i : i + 2].isprintable() and "\ufffd" not in full[i : i + 2]
+    )
+    stop = full[start : start + 2]
+    events = await run(engine, "stopped", "stop here", SamplingParams(32, GREEDY, stop=(stop,)))
+    assert events[-1].finish_reason == "stop"
+    assert text_of(events) == full[: full.index(stop)]
+    assert events[-1].num_tokens < 32
+    assert engine.num_running == 0
+
+
+@pytest.mark.asyncio
+async def test_closing_a_stream_early_frees_it(engine: TransformersGenerator) -> None:
+    stream = engine.generate("early", engine.encode("x"), SamplingParams(max_tokens=900))
+    seen = 0
+    async for event in stream:
+        seen = event.num_tokens
+        if seen >= 3:
+            break
+    assert engine.num_running == 1
+    await stream.aclose()
+    assert seen >= 3
+    assert engine.num_running == 0
+    # A consumer cancelled while it waits frees its sequence too.
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate("cancelled", engine.encode("y"), SamplingParams(900)):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert engine.num_running == 0
+    # The engine goes on serving, the same sequence id included.
+    events = await run(engine, "early", "x", SamplingParams(max_tokens=4, temperature=GREEDY))
+    assert events[-1].num_tokens == 4
+
+
+@pytest.mark.asyncio
+async def test_a_request_over_the_context_is_refused(engine: TransformersGenerator) -> None:
+    params = SamplingParams(max_tokens=engine.card.max_context_tokens)
+    with pytest.raises(PromptTooLong):
+        await run(engine, "too-long", "some prompt", params)
+    assert engine.num_running == 0
+
+
+# --------------------------------------------------------------------------- failure and close
+@pytest.mark.asyncio
+async def test_a_dead_manager_fails_running_and_later_sequences(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = non_daemon_threads()  # the module's engine has its own
+    engine = TransformersGenerator(
+        "tiny-llama", max_num_seqs=1, max_context_tokens=64, cache_dir=cache
+    )
+    await asyncio.to_thread(engine.load)
+    try:
+        stream = engine.generate("victim", engine.encode("a"), SamplingParams(max_tokens=60))
+        await anext(stream)
+
+        def crash(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("simulated device failure")
+
+        # The next forward pass fails: fatal for the manager's generation loop.
+        monkeypatch.setattr(engine._model, "forward", crash)
+        with pytest.raises(ReplicaFailed, match="simulated device failure"):
+            await asyncio.wait_for(drain(stream), 10)
+        with pytest.raises(ReplicaFailed):
+            await run(engine, "after", "b", SamplingParams(max_tokens=2))
+        assert engine.num_running == 0
+    finally:
+        await asyncio.to_thread(engine.close)
+    assert non_daemon_threads() <= before
+
+
+@pytest.mark.asyncio
+async def test_close_fails_live_sequences_and_leaves_no_thread(cache: Path) -> None:
+    before = non_daemon_threads()  # the module's engine has its own
+    engine = TransformersGenerator("tiny-llama", max_num_seqs=2, cache_dir=cache)
+    await asyncio.to_thread(engine.load)
+    assert non_daemon_threads() - before  # this manager's generation thread
+    stream = engine.generate("live", engine.encode("a"), SamplingParams(max_tokens=900))
+    await anext(stream)
+    await asyncio.to_thread(engine.close)
+    with pytest.raises(ReplicaFailed, match="closed"):
+        await asyncio.wait_for(drain(stream), 10)
+    assert non_daemon_threads() <= before
+    engine.close()  # idempotent
+    with pytest.raises(ReplicaFailed):
+        await run(engine, "after", "b", SamplingParams(max_tokens=2))
