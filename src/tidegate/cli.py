@@ -104,3 +104,21 @@ def worker(
         seed=seed,
     )
     raise typer.Exit(serve_worker(settings, host, port, log_level))
+
+
+config_app = typer.Typer(help="Check and show configuration.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("check")
+def config_check(
+    file: Annotated[
+        Path | None, typer.Argument(help="YAML config; none: the embedded default.")
+    ] = None,
+) -> None:
+    """Validate a config file and print it resolved, or the error with its key and fix."""
+    from tidegate.config import check_config
+
+    code, text = check_config(file)
+    typer.echo(text, err=code != 0)
+    raise typer.Exit(code)

@@ -1,0 +1,868 @@
+"""Gateway configuration: defaults, every error names file + key + fix, resolved values."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tidegate import config as config_module
+from tidegate.config import (
+    EMBEDDED_SOURCE,
+    FIFO_LEVEL,
+    TidegateConfig,
+    check_config,
+    load_config,
+    parse_config,
+    render_config,
+)
+from tidegate.core.batching import BatchConfig
+from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
+from tidegate.core.routing import PoolSpec
+from tidegate.errors import ConfigError
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+SOURCE = "cfg.yaml"
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def parse(data: dict[str, Any]) -> TidegateConfig:
+    return parse_config(data, SOURCE)
+
+
+def with_models(*models: dict[str, Any], **rest: Any) -> dict[str, Any]:
+    return {"models": list(models), **rest}
+
+
+def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# ----------------------------------------------------------------------------- defaults
+
+
+def test_embedded_default_values() -> None:
+    config = load_config(None)
+    assert config.source == EMBEDDED_SOURCE
+    assert (config.gateway.host, config.gateway.port, config.policy) == (
+        "127.0.0.1",
+        8000,
+        "priority",
+    )
+    assert config.gateway.shutdown_timeout_s == 10.0
+    assert config.gateway.max_request_bytes == 4194304
+    assert config.levels == ("high", "medium", "low")
+    assert config.level_names == config.levels
+    assert config.default_priority == "medium"
+    assert config.aging == AgingConfig(threshold_s=30.0, rate_per_s=0.5)
+    assert list(config.pools) == ["shared"]
+    assert config.pools["shared"].devices == ("auto",)
+    assert config.pool_specs() == {"shared": PoolSpec("shared", frozenset({0, 1, 2}))}
+    assert [(m.name, m.task, m.engine) for m in config.models.values()] == [
+        ("minilm", "embeddings", "transformers"),
+        ("tiny-llama", "generate", "transformers"),
+    ]
+    for model in config.models.values():
+        assert dict(model.replicas) == {"shared": 1}
+        assert model.pools == ("shared",)
+        assert model.slots is None
+        assert model.upstreams == ()
+        assert config.queue_config(model.name) == QueueConfig()
+        assert config.batch_config(model.name) == BatchConfig()
+    assert config.keys == ()
+    assert config.open_service
+    assert config.notes == ()
+
+
+def test_empty_file_means_every_default(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "# nothing configured\n"))
+    assert dataclasses.replace(config, source=EMBEDDED_SOURCE) == load_config(None)
+
+
+def test_embedded_example_is_the_embedded_default() -> None:
+    config = load_config(Path(__file__).parent.parent / "examples" / "embedded.yaml")
+    assert dataclasses.replace(config, source=EMBEDDED_SOURCE) == load_config(None)
+
+
+def test_examples_exist() -> None:
+    names = {path.name for path in EXAMPLES}
+    assert {"embedded.yaml", "vllm-upstreams.yaml", "pools.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.name)
+def test_example_validates_and_check_prints_it(path: Path) -> None:
+    code, text = check_config(path)
+    assert code == 0, text
+    assert text.startswith(f"# tidegate configuration from {path}")
+
+
+@pytest.mark.parametrize("path", [None, *EXAMPLES], ids=lambda path: getattr(path, "name", "none"))
+def test_render_loads_back_to_the_same_config(path: Path | None) -> None:
+    config = load_config(path)
+    again = parse_config(yaml.safe_load(render_config(config)), config.source)
+    assert again == config
+
+
+def test_null_sections_mean_defaults() -> None:
+    config = parse({"gateway": None, "priorities": None, "pools": {"shared": None}})
+    assert config == dataclasses.replace(load_config(None), source=SOURCE)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True)
+class Bad:
+    name: str
+    data: dict[str, Any]
+    key: str  # the dotted key the error must name
+    problem: str  # a fragment of the problem
+    fix: str  # a fragment of the fix
+
+
+MINILM = {"name": "minilm"}
+UPSTREAM = {"name": "big", "task": "generate", "engine": "openai"}
+KEY = {"name": "app", "sha256": sha("secret")}
+
+BAD = [
+    # unknown level names, wherever they appear
+    Bad(
+        "unknown_level_in_default",
+        {"priorities": {"default": "urgent"}},
+        "priorities.default",
+        "unknown priority level 'urgent'",
+        "high, medium, low",
+    ),
+    Bad(
+        "unknown_level_in_pool",
+        {"pools": {"shared": {"priorities": ["high", "meduim", "low"]}}},
+        "pools.shared.priorities[1]",
+        "'meduim'",
+        "did you mean 'medium'?",
+    ),
+    Bad(
+        "unknown_level_in_max_size_per_level",
+        with_models({**MINILM, "queue": {"max_size_per_level": {"urgent": 5}}}),
+        "models[0].queue.max_size_per_level.urgent",
+        "unknown priority level 'urgent'",
+        "use one of priorities.levels",
+    ),
+    Bad(
+        "unknown_level_in_holdback",
+        with_models(MINILM, {"name": "tiny-llama", "queue": {"holdback": {"lowest": 0.5}}}),
+        "models[1].queue.holdback.lowest",
+        "unknown priority level 'lowest'",
+        "did you mean 'low'?",
+    ),
+    Bad(
+        "unknown_level_in_timeout",
+        with_models({**MINILM, "queue": {"timeout_s": {"hi": 5}}}),
+        "models[0].queue.timeout_s.hi",
+        "'hi'",
+        "use one of priorities.levels",
+    ),
+    Bad(
+        "unknown_level_in_key_max_priority",
+        {"keys": [{**KEY, "max_priority": "top"}]},
+        "keys[0].max_priority",
+        "'top'",
+        "high, medium, low",
+    ),
+    Bad(
+        "unknown_level_in_key_default_priority",
+        {"keys": [{**KEY, "default_priority": "lo"}]},
+        "keys[0].default_priority",
+        "'lo'",
+        "did you mean 'low'?",
+    ),
+    # pools
+    Bad(
+        "unknown_pool_in_model_pools",
+        with_models({**MINILM, "pools": ["shraed"]}),
+        "models[0].pools[0]",
+        "unknown pool 'shraed'",
+        "did you mean 'shared'?",
+    ),
+    Bad(
+        "unknown_pool_in_replicas",
+        with_models({**MINILM, "replicas": {"gpu": 1}}),
+        "models[0].replicas.gpu",
+        "not one of this model's pools",
+        "add it to the model's pools",
+    ),
+    Bad(
+        "level_served_by_no_pool",
+        {"pools": {"fast": {"priorities": ["high"]}}},
+        "pools",
+        "no pool serves level 'medium'",
+        "pools.fast.priorities",
+    ),
+    Bad(
+        "unknown_device",
+        {"pools": {"shared": {"devices": ["gpu0"]}}},
+        "pools.shared.devices[0]",
+        "unknown device 'gpu0'",
+        "cuda:N",
+    ),
+    Bad(
+        "auto_with_other_devices",
+        {"pools": {"shared": {"devices": ["auto", "cuda:0"]}}},
+        "pools.shared.devices",
+        "auto cannot be combined",
+        "[auto] alone",
+    ),
+    # models
+    Bad(
+        "duplicate_model_name",
+        with_models(MINILM, {"name": "tiny-llama"}, MINILM),
+        "models[2].name",
+        "already defined at models[0]",
+        "unique name",
+    ),
+    Bad(
+        "unknown_task_for_model_not_built_in",
+        with_models({"name": "mine", "engine": "simulated"}),
+        "models[0].task",
+        "not built in",
+        "task: embeddings",
+    ),
+    Bad(
+        "model_not_built_in_needs_model_path",
+        with_models({"name": "mine", "task": "generate"}),
+        "models[0].model_path",
+        "not built in",
+        "local Hugging Face model folder",
+    ),
+    Bad(
+        "built_in_model_with_other_task",
+        with_models({**MINILM, "task": "generate"}),
+        "models[0].task",
+        "does embeddings, not generate",
+        "remove task",
+    ),
+    Bad(
+        "profile_without_simulated_engine",
+        with_models({**MINILM, "profile": "p.json"}),
+        "models[0].profile",
+        "only for engine simulated",
+        "engine: simulated",
+    ),
+    Bad(
+        "holdback_above_one",
+        with_models({**MINILM, "queue": {"holdback": {"low": 1.5}}}),
+        "models[0].queue.holdback.low",
+        "outside 0..1",
+        "e.g. 0.9",
+    ),
+    Bad(
+        "holdback_negative",
+        with_models({**MINILM, "queue": {"holdback": {"medium": -0.1}}}),
+        "models[0].queue.holdback.medium",
+        "outside 0..1",
+        "null for never",
+    ),
+    Bad(
+        "openai_without_upstreams",
+        with_models(UPSTREAM),
+        "models[0].upstreams",
+        "needs at least one upstream URL",
+        "upstreams: [http://",
+    ),
+    Bad(
+        "openai_with_replicas",
+        with_models({**UPSTREAM, "upstreams": ["http://127.0.0.1:8001"], "replicas": 2}),
+        "models[0].replicas",
+        "served by its upstreams",
+        "remove replicas",
+    ),
+    Bad(
+        "upstream_url_without_http",
+        with_models({**UPSTREAM, "upstreams": ["http://a:1/v1", "ftp://a:2"]}),
+        "models[0].upstreams[1]",
+        "not an http(s) URL",
+        "http://127.0.0.1:8001/v1",
+    ),
+    Bad(
+        "upstream_url_without_scheme",
+        with_models({**UPSTREAM, "upstreams": ["localhost:8001"]}),
+        "models[0].upstreams[0]",
+        "not an http(s) URL",
+        "write it like",
+    ),
+    Bad(
+        "upstream_url_bad_port",
+        with_models({**UPSTREAM, "upstreams": ["http://localhost:99999"]}),
+        "models[0].upstreams[0]",
+        "not an http(s) URL",
+        "write it like",
+    ),
+    Bad(
+        "same_upstream_twice",
+        with_models({**UPSTREAM, "upstreams": ["http://a:1/v1", "http://a:1/"]}),
+        "models[0].upstreams[1]",
+        "same server as upstreams[0]",
+        "once",
+    ),
+    Bad(
+        "upstreams_without_openai_engine",
+        with_models({**MINILM, "upstreams": ["http://a:1"]}),
+        "models[0].upstreams",
+        "only for engine openai",
+        "engine: openai",
+    ),
+    Bad(
+        "replicas_not_a_count",
+        with_models({**MINILM, "replicas": "two"}),
+        "models[0].replicas",
+        "expected a count or a mapping",
+        "{pool: count}",
+    ),
+    # keys
+    Bad(
+        "sha256_too_short",
+        {"keys": [{**KEY, "sha256": "abc123"}]},
+        "keys[0].sha256",
+        "not a sha256 hex digest",
+        'printf %s "$KEY" | sha256sum',
+    ),
+    Bad(
+        "sha256_not_hex",
+        {"keys": [{**KEY, "sha256": "z" * 64}]},
+        "keys[0].sha256",
+        "not a sha256 hex digest",
+        "sha256sum",
+    ),
+    Bad(
+        "same_digest_twice",
+        {"keys": [KEY, {**KEY, "name": "other"}]},
+        "keys[1].sha256",
+        "same digest as keys[0]",
+        "own secret",
+    ),
+    Bad(
+        "same_key_name_twice",
+        {"keys": [KEY, {**KEY, "sha256": sha("other")}]},
+        "keys[1].name",
+        "already used by keys[0]",
+        "unique name",
+    ),
+    Bad(
+        "default_priority_more_urgent_than_max",
+        {"keys": [{**KEY, "default_priority": "high", "max_priority": "medium"}]},
+        "keys[0].default_priority",
+        "'high' is more urgent than max_priority 'medium'",
+        "set default_priority to 'medium' or a less urgent level",
+    ),
+    # levels
+    Bad(
+        "level_listed_twice",
+        {"priorities": {"levels": ["high", "low", "High"]}},
+        "priorities.levels[2]",
+        "listed twice",
+        "different name",
+    ),
+    Bad(
+        "level_named_by_a_number",
+        {"priorities": {"levels": ["high", "2"]}},
+        "priorities.levels[1]",
+        "is a number",
+        "use a word",
+    ),
+    # shape (pydantic), converted
+    Bad(
+        "typo_in_gateway_key",
+        {"gateway": {"prot": 9000}},
+        "gateway.prot",
+        "unknown key 'prot'",
+        "did you mean 'port'?",
+    ),
+    Bad(
+        "typo_in_top_level_key",
+        {"model": [MINILM]},
+        "model",
+        "unknown key 'model'",
+        "did you mean 'models'?",
+    ),
+    Bad(
+        "typo_deep_in_a_list",
+        with_models(MINILM, {"name": "tiny-llama", "batching": {"max_batch_sise": 4}}),
+        "models[1].batching.max_batch_sise",
+        "unknown key",
+        "did you mean 'max_batch_size'?",
+    ),
+    Bad(
+        "unknown_key_without_near_match",
+        {"gateway": {"zzz": 1}},
+        "gateway.zzz",
+        "unknown key 'zzz'",
+        "remove it; gateway accepts: host, port",
+    ),
+    Bad(
+        "policy_misspelt",
+        {"gateway": {"policy": "fido"}},
+        "gateway.policy",
+        "'fido' is not allowed",
+        "did you mean 'fifo'?",
+    ),
+    Bad(
+        "port_quoted",
+        {"gateway": {"port": "8000"}},
+        "gateway.port",
+        "expected an integer, got the text '8000'",
+        "without quotes",
+    ),
+    Bad(
+        "port_out_of_range",
+        {"gateway": {"port": 70000}},
+        "gateway.port",
+        "out of range",
+        "<= 65535",
+    ),
+    Bad(
+        "model_without_name",
+        with_models({"task": "generate"}),
+        "models[0].name",
+        "required key 'name' is missing",
+        "add 'name: ...'",
+    ),
+    Bad(
+        "bad_model_name",
+        with_models({"name": "my model"}),
+        "models[0].name",
+        "not a valid name",
+        "letters, digits",
+    ),
+    Bad("no_models", {"models": []}, "models", "is empty", "at least 1"),
+    Bad(
+        "batch_size_zero",
+        with_models({**MINILM, "batching": {"max_batch_size": 0}}),
+        "models[0].batching.max_batch_size",
+        "out of range",
+        ">= 1",
+    ),
+    Bad(
+        "levels_not_a_list",
+        {"priorities": {"levels": "high"}},
+        "priorities.levels",
+        "expected a list",
+        "[a, b]",
+    ),
+    Bad(
+        "section_not_a_mapping",
+        {"gateway": ["host"]},
+        "gateway",
+        "expected a mapping",
+        "key: value",
+    ),
+    Bad(
+        "timeout_must_be_positive",
+        with_models({**MINILM, "queue": {"timeout_s": {"low": 0}}}),
+        "models[0].queue.timeout_s.low",
+        "out of range",
+        "> 0",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=lambda case: case.name)
+def test_error_names_file_key_and_fix(case: Bad) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(case.data)
+    error = info.value
+    assert error.file == SOURCE
+    assert error.key == case.key
+    problem, _, fix = error.message.partition(". Fix: ")
+    assert problem.startswith(f"{SOURCE}: {case.key}: ")
+    assert case.problem in problem
+    assert case.fix in fix
+    assert error.code == "bad_config"
+
+
+def test_error_rows_have_unique_names() -> None:
+    names = [case.name for case in BAD]
+    assert len(names) == len(set(names))
+
+
+# ----------------------------------------------------------------------------- reading files
+
+
+@dataclass(frozen=True)
+class BadFile:
+    name: str
+    text: str
+    key: str
+    problem: str
+    fix: str
+
+
+BAD_FILES = [
+    BadFile(
+        "yaml_syntax_error_has_line",
+        "gateway:\n  port: 1\n host: x\n",
+        "line 3",
+        "YAML syntax error at line 3, column 2",
+        "indentation",
+    ),
+    BadFile(
+        "unclosed_flow_list_has_line",
+        "priorities:\n  levels: [high, low\nmodels: []\n",
+        "line 3",
+        "YAML syntax error at line 3",
+        "indentation",
+    ),
+    BadFile(
+        "tab_indentation",
+        "gateway:\n\tport: 1\n",
+        "line 2",
+        "YAML syntax error at line 2",
+        "spaces",
+    ),
+    BadFile(
+        "key_written_twice",
+        "gateway:\n  port: 1\n  host: a\n  port: 2\n",
+        "line 4",
+        "key 'port' appears twice in this mapping (first at line 2)",
+        "keep one",
+    ),
+    BadFile("root_is_a_list", "- gateway\n", "(top level)", "is a list, not a mapping", "gateway:"),
+    BadFile("root_is_text", "just text\n", "(top level)", "the text 'just text'", "models:"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_FILES, ids=lambda case: case.name)
+def test_file_error_names_file_key_and_fix(tmp_path: Path, case: BadFile) -> None:
+    path = write(tmp_path, case.text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    error = info.value
+    assert error.file == str(path)
+    assert error.key == case.key
+    problem, _, fix = error.message.partition(". Fix: ")
+    assert case.problem in problem
+    assert case.fix in fix
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "absent.yaml")
+    assert info.value.key == "(file)"
+    assert "no such file" in info.value.message
+    assert "check the path" in info.value.message
+
+
+def test_merge_keys_may_override(tmp_path: Path) -> None:
+    text = "models:\n  - &m {name: minilm, replicas: 2}\n  - <<: *m\n    name: tiny-llama\n"
+    config = load_config(write(tmp_path, text))
+    assert dict(config.model("tiny-llama").replicas) == {"shared": 2}
+
+
+def test_check_config_reports_the_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "gateway:\n  prot: 1\n")
+    code, text = check_config(path)
+    assert code == 1
+    assert (
+        text
+        == f"error: {path}: gateway.prot: unknown key 'prot'. Fix: did you mean 'port'? "
+        + ("gateway accepts: host, port, policy, shutdown_timeout_s, max_request_bytes")
+    )
+
+
+def test_relative_paths_start_at_the_config_folder(tmp_path: Path) -> None:
+    text = (
+        "models:\n"
+        "  - {name: sim, task: generate, engine: simulated, profile: profiles/p.json}\n"
+        "  - {name: local, task: embeddings, model_path: /abs/model}\n"
+    )
+    config = load_config(write(tmp_path, text))
+    assert config.model("sim").profile == str(tmp_path / "profiles" / "p.json")
+    assert config.model("local").model_path == "/abs/model"
+    assert parse_config(yaml.safe_load(text), SOURCE).model("sim").profile == "profiles/p.json"
+
+
+# ----------------------------------------------------------------------------- fifo
+
+
+FIFO = {
+    "gateway": {"policy": "fifo"},
+    "models": [{"name": "minilm", "queue": {"max_size": 50, "timeout_s": {"low": 9}}}],
+    "pools": {"fast": {"priorities": ["high"]}, "shared": {}},
+    "keys": [{"name": "batch", "sha256": sha("k"), "max_priority": "medium"}],
+}
+
+
+def test_fifo_collapses_to_one_level() -> None:
+    config = parse(FIFO)
+    assert config.fifo
+    assert config.level_names == (FIFO_LEVEL,)
+    assert config.levels == ("high", "medium", "low")  # still what the file says
+    assert config.queue_config("minilm") == QueueConfig(
+        levels=(LevelSpec(FIFO_LEVEL),),
+        max_size=50,
+        aging=AgingConfig(threshold_s=30.0, rate_per_s=0.0),
+    )
+    assert config.pool_specs() == {
+        "fast": PoolSpec("fast", frozenset({0})),
+        "shared": PoolSpec("shared", frozenset({0})),
+    }
+    assert [config.level_index(name) for name in ("high", "medium", "low", FIFO_LEVEL)] == [0] * 4
+    assert [config.parse_priority(value) for value in ("high", "2", 1)] == [0, 0, 0]
+    key = config.key_for("k")
+    assert key is not None
+    assert (key.default_level, key.max_level) == (0, 0)
+    assert (key.default_priority, key.max_priority) == ("medium", "medium")
+    assert any("policy fifo ignores" in note and "minilm" in note for note in config.notes)
+    assert "# policy fifo: each model has one FCFS queue level" in render_config(config)
+
+
+def test_fifo_still_checks_level_names() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse({**FIFO, "keys": [{"name": "a", "sha256": sha("a"), "max_priority": "urgent"}]})
+    assert info.value.key == "keys[0].max_priority"
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+KEYS = {
+    "keys": [
+        {"name": "app", "sha256": sha("app-secret"), "default_priority": "high"},
+        {"name": "batch", "sha256": sha("batch-secret").upper(), "max_priority": "medium"},
+        {"name": "bulk", "sha256": sha("bulk-secret"), "default_priority": "low"},
+    ]
+}
+
+
+@pytest.mark.parametrize(
+    ("api_key", "expected"),
+    [
+        ("app-secret", "app"),
+        ("batch-secret", "batch"),  # digests are compared lower-cased
+        ("bulk-secret", "bulk"),
+        ("wrong", None),
+        ("", None),
+        ("app-secret ", None),
+    ],
+)
+def test_key_lookup(api_key: str, expected: str | None) -> None:
+    key = parse(KEYS).key_for(api_key)
+    assert (key.name if key else None) == expected
+
+
+def test_key_lookup_compares_with_every_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = parse(KEYS)
+    calls: list[tuple[str, str]] = []
+    real = config_module.hmac.compare_digest
+
+    def counting(a: str, b: str) -> bool:
+        calls.append((a, b))
+        return bool(real(a, b))
+
+    monkeypatch.setattr(config_module.hmac, "compare_digest", counting)
+    assert config.key_for("app-secret") is not None  # the first key matches
+    assert len(calls) == 3
+
+
+def test_key_lookup_on_open_service() -> None:
+    assert load_config(None).key_for("anything") is None
+
+
+def test_key_priorities_resolved() -> None:
+    app, batch, bulk = parse(KEYS).keys
+    assert (app.default_priority, app.max_priority, app.default_level, app.max_level) == (
+        "high",
+        "high",
+        0,
+        0,
+    )
+    # no default_priority: the global default (medium), within the cap
+    assert (batch.default_priority, batch.max_priority, batch.default_level) == (
+        "medium",
+        "medium",
+        1,
+    )
+    assert (bulk.default_priority, bulk.max_level) == ("low", 0)
+
+
+def test_key_default_is_lowered_to_its_cap() -> None:
+    data = {
+        "priorities": {"default": "high"},
+        "keys": [{"name": "a", "sha256": sha("a"), "max_priority": "low"}],
+    }
+    (key,) = parse(data).keys
+    assert key.default_priority == "low"
+
+
+# ----------------------------------------------------------------------------- resolved values
+
+
+def test_resolved_queue_config() -> None:
+    data = with_models(
+        {
+            "name": "minilm",
+            "queue": {
+                "max_size": 200,
+                "max_size_per_level": {"low": 50},
+                "timeout_s": {"high": 2, "medium": 7.5},
+                "holdback": {"low": 0.5, "medium": None},
+            },
+        },
+        priorities={"aging": {"threshold_s": 10, "rate_per_s": 1}},
+    )
+    assert parse(data).queue_config("minilm") == QueueConfig(
+        levels=(
+            LevelSpec("high", timeout_s=2.0),
+            LevelSpec("medium", timeout_s=7.5),
+            LevelSpec("low", max_size=50, holdback_above=0.5),
+        ),
+        max_size=200,
+        aging=AgingConfig(threshold_s=10.0, rate_per_s=1.0),
+    )
+
+
+def test_empty_holdback_means_never() -> None:
+    config = parse(with_models({"name": "minilm", "queue": {"holdback": {}}}))
+    levels = config.queue_config("minilm").levels
+    assert [level.holdback_above for level in levels] == [None, None, None]
+
+
+def test_custom_levels() -> None:
+    data = {
+        "priorities": {"levels": ["p0", "p1", "p2", "p3"]},
+        "pools": {"gpu": {"priorities": ["p0"]}, "all": {}},
+        "models": [{"name": "minilm", "replicas": {"all": 2}}],
+    }
+    config = parse(data)
+    assert config.default_priority == "p3"  # no 'medium': the least urgent level
+    assert config.pool_specs() == {
+        "gpu": PoolSpec("gpu", frozenset({0})),
+        "all": PoolSpec("all", frozenset({0, 1, 2, 3})),
+    }
+    queue = config.queue_config("minilm")
+    assert [level.name for level in queue.levels] == ["p0", "p1", "p2", "p3"]
+    assert all(level.holdback_above is None for level in queue.levels)  # default names absent
+    assert config.level_index("p2") == 2
+
+
+def test_pools_example_resolves() -> None:
+    config = load_config(Path(__file__).parent.parent / "examples" / "pools.yaml")
+    assert config.pool_specs() == {
+        "dedicated": PoolSpec("dedicated", frozenset({0})),
+        "shared": PoolSpec("shared", frozenset({0, 1, 2})),
+    }
+    assert config.pools["dedicated"].devices == ("cuda:0",)
+    assert dict(config.model("tiny-llama").replicas) == {"dedicated": 1, "shared": 1}
+    assert config.batch_config("tiny-llama") == BatchConfig(max_batch_size=4, batch_window_ms=1.0)
+    assert config.model("minilm").pools == ("shared",)
+    interactive, batch = config.keys
+    assert (interactive.default_level, interactive.max_level) == (0, 0)
+    assert (batch.default_level, batch.max_level) == (2, 1)
+    assert config.key_for("tg-example-batch-0000") == batch
+
+
+def test_upstreams_example_resolves() -> None:
+    config = load_config(Path(__file__).parent.parent / "examples" / "vllm-upstreams.yaml")
+    model = config.model("llama-8b")
+    assert not model.local
+    assert model.upstreams == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")  # no /v1
+    assert dict(model.replicas) == {}
+    assert model.upstream_pool == "shared"
+    assert model.slots == 64
+    with pytest.raises(ValueError, match="no local replicas"):
+        config.worker_settings("llama-8b")
+
+
+@pytest.mark.parametrize(
+    ("replicas", "pools", "expected"),
+    [
+        (None, None, {"a": 1}),
+        (3, None, {"a": 3}),
+        (2, ["b"], {"b": 2}),
+        (0, None, {"a": 0}),
+        ({"b": 1, "a": 2}, None, {"b": 1, "a": 2}),
+    ],
+)
+def test_replicas_placement(
+    replicas: Any, pools: list[str] | None, expected: dict[str, int]
+) -> None:
+    model: dict[str, Any] = {"name": "minilm"}
+    if replicas is not None:
+        model["replicas"] = replicas
+    if pools is not None:
+        model["pools"] = pools
+    config = parse({"pools": {"a": {}, "b": {}}, "models": [model]})
+    assert dict(config.model("minilm").replicas) == expected
+
+
+def test_worker_settings_for_a_local_replica() -> None:
+    data = with_models(
+        {
+            "name": "sim",
+            "task": "generate",
+            "engine": "simulated",
+            "profile": "/p.json",
+            "batching": {"max_batch_size": 8, "max_num_seqs": 3, "max_batch_tokens": 100},
+        }
+    )
+    settings = parse(data).worker_settings("sim", device="cuda:1")
+    assert (settings.model, settings.engine, settings.task, settings.device) == (
+        "sim",
+        "simulated",
+        "generate",
+        "cuda:1",
+    )
+    assert (settings.profile, settings.max_batch_size, settings.max_num_seqs) == ("/p.json", 8, 3)
+    assert settings.max_batch_tokens == 100
+    with pytest.raises(ValueError, match="device"):
+        parse(data).worker_settings("sim", device="auto")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("high", 0), ("medium", 1), ("low", 2), ("Low", 2), (" low ", 2), ("0", 0), ("2", 2), (1, 1)],
+)
+def test_parse_priority(value: str | int, expected: int) -> None:
+    assert load_config(None).parse_priority(value) == expected
+
+
+@pytest.mark.parametrize("value", ["urgent", "3", -1, "-1", "", True])
+def test_parse_priority_refuses(value: str | int) -> None:
+    with pytest.raises(ValueError, match="priority"):
+        load_config(None).parse_priority(value)
+
+
+def test_unknown_model_lookup() -> None:
+    with pytest.raises(KeyError, match="minilm, tiny-llama"):
+        load_config(None).queue_config("gpt")
+
+
+@pytest.mark.parametrize(
+    ("data", "note"),
+    [
+        ({"gateway": {"host": "0.0.0.0"}}, "no keys: an open service on 0.0.0.0"),
+        (with_models({"name": "minilm", "replicas": 0}), "model minilm starts with no replica"),
+        (
+            {
+                "pools": {
+                    "fast": {"priorities": ["high"]},
+                    "slow": {"priorities": ["low", "medium"]},
+                },
+                "models": [{"name": "minilm", "pools": ["fast"]}],
+            },
+            "model minilm: no pool of its pools (fast) serves medium, low",
+        ),
+    ],
+)
+def test_notes(data: dict[str, Any], note: str) -> None:
+    config = parse(data)
+    assert any(note in line for line in config.notes), config.notes
+    assert f"# note: {note}" in render_config(config)
