@@ -364,13 +364,17 @@ class TidegateConfig:
 # ----------------------------------------------------------------------------- entry points
 
 
-def load_config(path: str | Path | None) -> TidegateConfig:
+def load_config(
+    path: str | Path | None, gateway_overrides: Mapping[str, Any] | None = None
+) -> TidegateConfig:
     """Read, validate and resolve a configuration file; None: the embedded default.
 
-    Raises ConfigError naming the file, the key and the fix.
+    ``gateway_overrides`` (command-line flags such as ``--port``) replace keys of the
+    ``gateway`` section before validation. Raises ConfigError naming the file, the key
+    and the fix.
     """
     if path is None:
-        return parse_config({}, EMBEDDED_SOURCE)
+        return parse_config(_with_gateway({}, gateway_overrides), EMBEDDED_SOURCE)
     file = Path(path)
     source = str(path)
     try:
@@ -406,7 +410,17 @@ def load_config(path: str | Path | None) -> TidegateConfig:
             "write top-level keys such as 'gateway:', 'priorities:', 'pools:', 'models:', "
             "'keys:' (see docs/config.md)",
         )
+    data = _with_gateway(data, gateway_overrides)
     return parse_config(data, source, base_dir=file.absolute().parent)
+
+
+def _with_gateway(data: dict[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    if not overrides:
+        return data
+    gateway = data.get("gateway") or {}
+    if not isinstance(gateway, dict):
+        return data  # validation reports the malformed section
+    return {**data, "gateway": {**gateway, **overrides}}
 
 
 def parse_config(

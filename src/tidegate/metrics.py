@@ -95,3 +95,56 @@ class WorkerMetrics:
             ["model", "device", "kind"],
             registry=r,
         )
+
+
+class GatewayMetrics:
+    """What the gateway exports on /metrics."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge(
+            "tidegate_queue_depth",
+            "Requests waiting in the gateway's queue.",
+            ["model", "priority"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "tidegate_inflight",
+            "Requests sent to a replica and not yet finished.",
+            ["model", "replica"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "tidegate_request_duration_seconds",
+            "Request duration by phase: queue (waiting for a slot), ttft (to the first byte "
+            "of the reply), e2e (whole request).",
+            ["model", "priority", "phase"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.requests = Counter(
+            "tidegate_requests_total",
+            "Requests by terminal outcome.",
+            ["model", "priority", "outcome"],
+            registry=r,
+        )
+        self.replicas = Gauge(
+            "tidegate_replicas",
+            "Replicas by pool and lifecycle state.",
+            ["model", "pool", "state"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "tidegate_retries_total",
+            "Requests retried on another replica after a connect failure.",
+            ["model"],
+            registry=r,
+        )
+        self.queue_depth_per_replica = Gauge(
+            "inference_queue_depth",
+            "Demand per ready replica: (queued + in-flight) / ready "
+            "replicas. The autoscaling signal.",
+            ["model"],
+            registry=r,
+        )

@@ -73,3 +73,20 @@ def test_power_of_two_choices_is_deterministic_and_never_picks_the_busiest() -> 
     assert picks == again
     assert len(picks) > 5  # sampled, not always the global minimum
     assert all(p is not None and p.id != "hot" for p in picks)
+
+
+@pytest.mark.parametrize(
+    ("replicas", "expected"),
+    [
+        ([], set()),
+        ([rep("d", "dedicated")], {0}),
+        ([rep("d", "dedicated"), rep("s", busy=4)], {0}),
+        ([rep("d", "dedicated", busy=4), rep("s")], {0, 1, 2}),
+        ([rep("s", ready=False)], set()),
+    ],
+    ids=["none", "free_dedicated", "shared_full", "dedicated_full", "not_ready"],
+)
+def test_servable_levels(replicas: list[ReplicaView], expected: set[int]) -> None:
+    from tidegate.core.routing import servable_levels
+
+    assert servable_levels(replicas, POOLS) == expected

@@ -74,5 +74,21 @@ def pick_replica(
     return min(candidates, key=_load_then_id)
 
 
+def servable_levels(
+    replicas: Iterable[ReplicaView], pools: Mapping[str, PoolSpec]
+) -> frozenset[int]:
+    """Levels that some ready replica with a free slot could take right now.
+
+    The dispatcher pops the most urgent request among these levels, then routes it with
+    ``pick_replica``: so a free dedicated slot takes the most urgent high-priority request
+    even while low-priority work waits for the shared pool, and low work never lands there.
+    """
+    levels: set[int] = set()
+    for replica in replicas:
+        if replica.has_free_slot and replica.pool in pools:
+            levels |= pools[replica.pool].priorities
+    return frozenset(levels)
+
+
 def _load_then_id(replica: ReplicaView) -> tuple[float, str]:
     return (replica.load, replica.id)

@@ -1,0 +1,1 @@
+"""The gateway: the OpenAI-compatible front door, its queues, dispatch and routing."""
