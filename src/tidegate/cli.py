@@ -122,3 +122,36 @@ def config_check(
     code, text = check_config(file)
     typer.echo(text, err=code != 0)
     raise typer.Exit(code)
+
+
+class Policy(StrEnum):
+    priority = "priority"
+    fifo = "fifo"
+
+
+@app.command()
+def serve(
+    config: Annotated[
+        Path | None, typer.Option(help="YAML config; none: embedded default.")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8000).")] = None,
+    policy: Annotated[Policy | None, typer.Option(help="priority, or fifo to compare.")] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Run the gateway and the model workers it supervises."""
+    from tidegate.config import load_config
+    from tidegate.errors import ConfigError
+    from tidegate.gateway.serve import serve_gateway
+
+    overrides = {
+        k: v
+        for k, v in {"host": host, "port": port, "policy": policy.value if policy else None}.items()
+        if v is not None
+    }
+    try:
+        resolved = load_config(config, overrides)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(serve_gateway(resolved, log_level))

@@ -94,7 +94,7 @@ async def test_full_queue_sheds_low_for_high_and_refuses_with_retry_after(
     profile = flat_profile(tmp_path / "flat.json", 300.0)
     with sim_worker(profile, "--max-batch-size", "1") as worker:
         data = sim_config(worker.url, model={"queue": {"max_size": 3, "holdback": {}}})
-        async with gateway_client(data, [worker.url], 1) as (client, gateway):
+        async with gateway_client(data, [worker.url], 1) as (client, _):
             running = asyncio.create_task(_embed(client, "low"))  # takes the only slot
             await asyncio.sleep(0.1)
             lows = [asyncio.create_task(_embed(client, "low")) for _ in range(3)]

@@ -1,0 +1,1 @@
+"""The control plane: replicas' lifecycles on local processes (and later Ray, Kubernetes)."""

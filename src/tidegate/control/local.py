@@ -1,0 +1,619 @@
+"""Local replicas: ``tidegate worker`` processes that the gateway starts, watches and restarts.
+
+One ``Replica`` per local replica in the configuration (for each model that is not served by
+upstreams, for each pool, ``count`` of them), with ids like ``minilm-shared-0``. Each gets a
+device round-robin over its pool's devices (``auto``: the GPUs NVML finds, else cpu). A
+``cuda:N`` replica runs with ``CUDA_VISIBLE_DEVICES=N`` and ``--device cuda:0``; a cpu one
+with ``CUDA_VISIBLE_DEVICES`` empty, so it never touches a GPU.
+
+Each replica has one supervisor task for its whole life:
+
+1. launch ``tidegate worker ... --host 127.0.0.1 --port 0`` and read the address it prints
+   as its first stdout line (STARTING);
+2. poll its ``/readyz`` every 0.2 s: WARMING while it answers 503, READY once it answers
+   200 (``slots`` from the config, else from the worker's ``/stats``). Not ready within
+   ``ready_timeout_s`` of the launch: it is killed;
+3. wait for the process to exit (event-driven: no liveness polling). Any exit that
+   ``stop()`` did not cause is a failure: FAILED with the exit status (and the last line of
+   its stderr), then a restart after a back-off of 1, 2, 4 ... ``max_backoff_s`` seconds,
+   reset to 1 s once a replica has been ready for ``RESET_BACKOFF_AFTER_S``.
+
+No orphans: every worker runs in its own process group (stopped as a whole) and, on Linux,
+with the parent-death signal set to SIGTERM, so even a SIGKILLed gateway takes its workers
+down. The kernel sends that signal when the *thread* that forked the worker ends: run the
+event loop that calls ``start()`` in a thread that lives as long as the gateway (the main
+thread, as ``asyncio.run`` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import functools
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from tidegate.config import TidegateConfig
+from tidegate.gateway.replicas import Replica, ReplicaState
+from tidegate.worker.runtime import WorkerSettings
+
+log = logging.getLogger("tidegate.control")
+
+WORKER_HOST = "127.0.0.1"
+POLL_INTERVAL_S = 0.2  # /readyz while a worker starts
+MIN_BACKOFF_S = 1.0  # first restart delay; doubles up to max_backoff_s
+RESET_BACKOFF_AFTER_S = 60.0  # ready this long: the next failure backs off from 1 s again
+STDERR_TAIL_BYTES = 4000  # logged when a worker exits
+DETAIL_MAX_CHARS = 300
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_CLI_FALLBACK = "import sys; from tidegate.cli import app; sys.exit(app(prog_name='tidegate'))"
+
+
+# ----------------------------------------------------------------------------- placement
+def gpu_count() -> int:
+    """GPUs NVML finds; 0 without ``pynvml``, without a driver, or on an NVML error."""
+    try:
+        import pynvml
+    except ImportError:
+        log.info("pynvml is not installed: device auto means cpu")
+        return 0
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        log.info("NVML is unavailable (%s): device auto means cpu", exc)
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except pynvml.NVMLError as exc:
+        log.warning("NVML cannot count GPUs (%s): device auto means cpu", exc)
+        return 0
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+def resolve_devices(devices: Iterable[str], gpus: Callable[[], int] = gpu_count) -> list[str]:
+    """A pool's devices with ``auto`` replaced by ``cuda:0..N-1`` (or ``cpu`` without GPUs)."""
+    resolved: list[str] = []
+    for device in devices:
+        if device == "auto":
+            count = gpus()
+            resolved.extend([f"cuda:{index}" for index in range(count)] or ["cpu"])
+        else:
+            resolved.append(device)
+    return resolved
+
+
+def device_env(device: str) -> tuple[str, dict[str, str]]:
+    """The worker's ``--device`` and environment for a placement (cpu or cuda:N)."""
+    if device.startswith("cuda:"):
+        return "cuda:0", {"CUDA_VISIBLE_DEVICES": device.removeprefix("cuda:")}
+    return "cpu", {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def tidegate_command() -> list[str]:
+    """How to run the ``tidegate`` CLI with this interpreter."""
+    script = Path(sys.executable).with_name("tidegate")
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-c", _CLI_FALLBACK]
+
+
+def worker_command(settings: WorkerSettings, log_level: str = "info") -> list[str]:
+    """``tidegate worker`` with the options of ``settings``, on a free loopback port.
+
+    ``queue_max_size`` and ``warmup_tokens`` have no command-line option: workers use the
+    defaults.
+    """
+    s = settings
+    args = [
+        *tidegate_command(),
+        "worker",
+        "--model",
+        s.model,
+        "--engine",
+        s.engine,
+        "--device",
+        s.device,
+        "--host",
+        WORKER_HOST,
+        "--port",
+        "0",
+        "--max-batch-size",
+        str(s.max_batch_size),
+        "--batch-window-ms",
+        str(s.batch_window_ms),
+        "--max-num-seqs",
+        str(s.max_num_seqs),
+        "--seed",
+        str(s.seed),
+        "--log-level",
+        log_level,
+    ]
+    if s.model_path is not None:
+        args += ["--model-path", s.model_path]
+    if s.task is not None:
+        args += ["--task", s.task]
+    if s.max_batch_tokens is not None:
+        args += ["--max-batch-tokens", str(s.max_batch_tokens)]
+    if s.profile is not None:
+        args += ["--profile", s.profile]
+    return args
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGTERM when its parent dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError) as exc:
+        log.warning("prctl is unavailable (%s): workers outlive a killed gateway", exc)
+        return None
+    parent = os.getpid()
+
+    def set_parent_death_signal() -> None:  # runs in the child, between fork and exec
+        prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM))
+        if os.getppid() != parent:  # the parent died before prctl: nobody would signal us
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_parent_death_signal
+
+
+# ----------------------------------------------------------------------------- processes
+@dataclass(eq=False)
+class _Slot:
+    """One replica's process and tasks."""
+
+    replica: Replica
+    settings: WorkerSettings
+    device: str  # the placement: cpu or cuda:N
+    env: dict[str, str]
+    log_path: Path | None
+    process: asyncio.subprocess.Process | None = None
+    supervisor: asyncio.Task[None] | None = None
+    spawning: asyncio.Task[asyncio.subprocess.Process] | None = None
+    drain: asyncio.Task[None] | None = None
+    launched: asyncio.Event = field(default_factory=asyncio.Event)  # first launch settled
+    log_offset: int = 0  # where this launch's stderr starts in the log file
+
+    @property
+    def running(self) -> asyncio.subprocess.Process | None:
+        process = self.process
+        return process if process is not None and process.returncode is None else None
+
+
+class LocalWorkers:
+    """Starts, watches, restarts and stops the local worker processes of a configuration.
+
+    ``replicas`` exist from construction on (STARTING); ``start()`` launches them, and every
+    state change reaches ``on_change`` through ``Replica.set_state``.
+    """
+
+    def __init__(
+        self,
+        config: TidegateConfig,
+        *,
+        on_change: Callable[[Replica], None],
+        log_dir: Path | None = None,
+        ready_timeout_s: float = 300.0,
+        max_backoff_s: float = 30.0,
+    ) -> None:
+        self.config = config
+        self.log_dir = log_dir
+        self.ready_timeout_s = ready_timeout_s
+        self.max_backoff_s = max(max_backoff_s, MIN_BACKOFF_S)
+        self._slots: dict[str, _Slot] = {}
+        self._client: httpx.AsyncClient | None = None
+        self._started = False
+        self._stop_task: asyncio.Task[None] | None = None
+        base_env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        base_env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        gpus = functools.cache(gpu_count)  # NVML is asked once, and only for auto
+        pool_devices: dict[str, list[str]] = {}
+        next_device: dict[str, int] = {}
+        for model in config.models.values():
+            if not model.local:
+                continue
+            for pool, count in model.replicas.items():
+                if pool not in pool_devices:
+                    pool_devices[pool] = resolve_devices(config.pools[pool].devices, gpus)
+                    next_device[pool] = 0
+                devices = pool_devices[pool]
+                for index in range(count):
+                    device = devices[next_device[pool] % len(devices)]
+                    next_device[pool] += 1
+                    worker_device, env = device_env(device)
+                    replica = Replica(
+                        id=f"{model.name}-{pool}-{index}",
+                        model=model.name,
+                        pool=pool,
+                        kind="local",
+                        slots=model.slots or 1,
+                        detail="not started",
+                        on_change=on_change,
+                    )
+                    log_path = None if log_dir is None else log_dir / f"{replica.id}.log"
+                    self._slots[replica.id] = _Slot(
+                        replica,
+                        config.worker_settings(model.name, worker_device),
+                        device,
+                        {**base_env, **env},
+                        log_path,
+                    )
+        self.replicas: list[Replica] = [slot.replica for slot in self._slots.values()]
+
+    # ------------------------------------------------------------------ queries
+    def device_of(self, replica_id: str) -> str:
+        """Where a replica runs: cpu or cuda:N (``auto`` resolved)."""
+        return self._slot(replica_id).device
+
+    def pid(self, replica_id: str) -> int | None:
+        """The process id of a replica's running worker, or None."""
+        process = self._slot(replica_id).running
+        return None if process is None else process.pid
+
+    def log_path(self, replica_id: str) -> Path | None:
+        """The file that holds a replica's stderr, or None when it is inherited."""
+        return self._slot(replica_id).log_path
+
+    def _slot(self, replica_id: str) -> _Slot:
+        try:
+            return self._slots[replica_id]
+        except KeyError:
+            known = ", ".join(self._slots) or "none"
+            raise KeyError(f"unknown local replica {replica_id!r}; known: {known}") from None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Launch every replica's worker at once; return when each has bound or failed once.
+
+        Readiness comes later, through ``on_change``.
+        """
+        if self._started or self._stop_task is not None:
+            raise RuntimeError("LocalWorkers.start() was already called, or stop() was")
+        self._started = True
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0))
+        for slot in self._slots.values():
+            slot.supervisor = asyncio.create_task(
+                self._supervise(slot), name=f"supervise-{slot.replica.id}"
+            )
+            slot.supervisor.add_done_callback(self._supervisor_done)
+        await asyncio.gather(*(slot.launched.wait() for slot in self._slots.values()))
+
+    async def stop(self, timeout_s: float = 10) -> None:
+        """Stop every worker: SIGTERM, SIGKILL after ``timeout_s``, reap. Idempotent."""
+        if self._stop_task is None:
+            self._stop_task = asyncio.create_task(self._stop(timeout_s), name="local-stop")
+        # Shielded: a caller that gives up waiting does not leave workers half-stopped.
+        await asyncio.shield(self._stop_task)
+
+    def kill(self, replica_id: str) -> None:
+        """SIGKILL a replica's process group, as a crash would (for tests)."""
+        process = self._slot(replica_id).running
+        if process is None:
+            raise ProcessLookupError(f"replica {replica_id} has no running worker")
+        _signal_group(process, signal.SIGKILL)
+
+    async def _stop(self, timeout_s: float) -> None:
+        supervisors = [s.supervisor for s in self._slots.values() if s.supervisor is not None]
+        for task in supervisors:
+            task.cancel()
+        if supervisors:
+            await asyncio.wait(supervisors)
+        # A launch in progress finishes (it is shielded from its supervisor's cancellation),
+        # so its process is known and stopped below.
+        spawning = [s.spawning for s in self._slots.values() if s.spawning is not None]
+        if spawning:
+            await asyncio.wait(spawning)
+            for launch in spawning:
+                _retrieve(launch, "launch")
+        running = [p for p in (s.running for s in self._slots.values()) if p is not None]
+        for process in running:
+            _signal_group(process, signal.SIGTERM)
+        if running:
+            waits = [asyncio.create_task(process.wait()) for process in running]
+            _, pending = await asyncio.wait(waits, timeout=timeout_s)
+            for process in running:
+                if process.returncode is None:
+                    log.warning(
+                        "worker %d ignored SIGTERM for %gs: SIGKILL", process.pid, timeout_s
+                    )
+                    _signal_group(process, signal.SIGKILL)
+            if pending:
+                await asyncio.wait(pending)
+        drains = [s.drain for s in self._slots.values() if s.drain is not None]
+        await _cancel(drains)
+        for slot in self._slots.values():
+            slot.replica.url = None
+            slot.replica.set_state(ReplicaState.STOPPED, "stopped")
+            slot.launched.set()
+        if self._client is not None:
+            await self._client.aclose()
+
+    def _supervisor_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:  # a bug: say so loudly, and keep the replica out of rotation
+            log.error("supervisor %s crashed", task.get_name(), exc_info=exc)
+            replica_id = task.get_name().removeprefix("supervise-")
+            slot = self._slots[replica_id]
+            slot.replica.set_state(ReplicaState.FAILED, f"supervisor crashed: {exc!r}")
+            slot.launched.set()
+
+    # --------------------------------------------------------------- supervision
+    async def _supervise(self, slot: _Slot) -> None:
+        backoff = MIN_BACKOFF_S
+        replica = slot.replica
+        while True:
+            ready_for_s = await self._run_once(slot)
+            if ready_for_s >= RESET_BACKOFF_AFTER_S:
+                backoff = MIN_BACKOFF_S
+            delay = min(backoff, self.max_backoff_s)
+            backoff = min(backoff * 2, self.max_backoff_s)
+            log.warning("replica %s: restarting in %gs (%s)", replica.id, delay, replica.detail)
+            await asyncio.sleep(delay)
+            replica.restarts += 1
+
+    async def _run_once(self, slot: _Slot) -> float:
+        """One worker process from launch to exit; returns how long it was READY."""
+        replica = slot.replica
+        replica.url = None
+        what = "launching" if replica.restarts == 0 else f"restart {replica.restarts}"
+        replica.set_state(ReplicaState.STARTING, f"{what} on {slot.device}")
+        deadline = time.monotonic() + self.ready_timeout_s
+        try:
+            slot.spawning = asyncio.create_task(self._spawn(slot), name=f"spawn-{replica.id}")
+            try:
+                process = await asyncio.shield(slot.spawning)
+            except OSError as exc:
+                replica.set_state(ReplicaState.FAILED, _clip(f"cannot launch the worker: {exc}"))
+                return 0.0
+            finally:
+                if slot.spawning.done():
+                    slot.spawning = None
+            exited = asyncio.create_task(process.wait(), name=f"exit-{replica.id}")
+            try:
+                return await self._watch(slot, process, exited, deadline)
+            finally:
+                await _cancel([exited])
+        finally:
+            slot.launched.set()
+
+    async def _watch(
+        self,
+        slot: _Slot,
+        process: asyncio.subprocess.Process,
+        exited: asyncio.Task[int],
+        deadline: float,
+    ) -> float:
+        replica = slot.replica
+        url = await self._read_address(slot, process, deadline)
+        ready_at: float | None = None
+        if url is not None:
+            replica.url = url
+            slot.launched.set()
+            readiness = asyncio.create_task(self._until_ready(slot, url), name=f"ready-{url}")
+            try:
+                left = max(0.0, deadline - time.monotonic())
+                await asyncio.wait(
+                    {exited, readiness}, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                await _cancel([readiness])
+            if readiness.done() and not readiness.cancelled() and not exited.done():
+                replica.slots = readiness.result()
+                ready_at = time.monotonic()
+                replica.set_state(ReplicaState.READY, f"pid {process.pid} on {slot.device}")
+                log.info("replica %s ready at %s (%d slots)", replica.id, url, replica.slots)
+        killed_for = ""
+        if ready_at is None and not exited.done():
+            # No address (its stdout ended: it is exiting) or not ready by the deadline.
+            await asyncio.wait({exited}, timeout=max(0.0, deadline - time.monotonic()))
+            if not exited.done():
+                killed_for = (
+                    f"not ready within {self.ready_timeout_s:g}s of its launch"
+                    if url is not None
+                    else f"printed no address within {self.ready_timeout_s:g}s"
+                )
+                log.warning("replica %s %s: killing it", replica.id, killed_for)
+                _signal_group(process, signal.SIGKILL)
+        code = await exited  # the process's own exit: the only liveness signal
+        ready_for_s = 0.0 if ready_at is None else time.monotonic() - ready_at
+        await _cancel([slot.drain] if slot.drain is not None else [])
+        slot.drain = None
+        replica.url = None
+        detail = killed_for or (
+            f"{_exit_text(code)} {'while ready' if ready_at is not None else 'while starting'}"
+        )
+        tail = self._stderr_tail(slot) if code > 0 else ""
+        if tail:
+            log.warning(
+                "replica %s (pid %d) %s; its stderr ends:\n%s",
+                replica.id,
+                process.pid,
+                detail,
+                tail,
+            )
+            if reason := _reason(tail):
+                detail = f"{detail}: {reason}"
+        else:
+            log.warning("replica %s (pid %d) %s", replica.id, process.pid, detail)
+        replica.set_state(ReplicaState.FAILED, _clip(detail))
+        return ready_for_s
+
+    async def _spawn(self, slot: _Slot) -> asyncio.subprocess.Process:
+        quiet = slot.log_path is None  # inherited stderr: only warnings reach the console
+        command = worker_command(slot.settings, "warning" if quiet else "info")
+        stderr = self._open_log(slot, command)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *command,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=stderr,
+                env=slot.env,
+                start_new_session=True,  # its own process group: stopped as a whole
+                preexec_fn=_parent_death_signal(),
+            )
+        finally:
+            if stderr is not None:
+                stderr.close()  # the child has its own descriptor
+        slot.process = process
+        log.info("replica %s: worker pid %d on %s", slot.replica.id, process.pid, slot.device)
+        return process
+
+    def _open_log(self, slot: _Slot, command: list[str]) -> IO[bytes] | None:
+        if slot.log_path is None:
+            return None
+        file = slot.log_path.open("ab")
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        file.write(f"--- {stamp} restarts={slot.replica.restarts}: {' '.join(command)}\n".encode())
+        file.flush()
+        slot.log_offset = file.tell()
+        return file
+
+    def _stderr_tail(self, slot: _Slot) -> str:
+        if slot.log_path is None:
+            return ""
+        try:
+            with slot.log_path.open("rb") as file:
+                size = file.seek(0, os.SEEK_END)
+                file.seek(max(slot.log_offset, size - STDERR_TAIL_BYTES))
+                data = file.read()
+        except OSError as exc:
+            return f"(cannot read {slot.log_path}: {exc.strerror})"
+        return data.decode("utf-8", "replace").strip()
+
+    async def _read_address(
+        self, slot: _Slot, process: asyncio.subprocess.Process, deadline: float
+    ) -> str | None:
+        """The worker's address (its first stdout line); None at EOF or past the deadline."""
+        assert process.stdout is not None
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                while line := await process.stdout.readline():
+                    text = line.decode("utf-8", "replace").strip()
+                    if text.startswith("http://"):
+                        break
+                    log.warning("replica %s printed %r before its address", slot.replica.id, text)
+                else:
+                    return None
+        except TimeoutError:
+            return None
+        slot.drain = asyncio.create_task(
+            _drain(slot.replica.id, process.stdout), name=f"stdout-{slot.replica.id}"
+        )
+        return text
+
+    async def _until_ready(self, slot: _Slot, url: str) -> int:
+        """Poll /readyz until 200 (WARMING meanwhile); then the replica's slots."""
+        assert self._client is not None
+        replica = slot.replica
+        configured = self.config.model(replica.model).slots
+        while True:
+            try:
+                response = await self._client.get(f"{url}/readyz")
+                if response.status_code == 200:
+                    if configured is not None:
+                        return configured
+                    stats = await self._client.get(f"{url}/stats")
+                    stats.raise_for_status()
+                    return _slots_from(stats, replica.id)
+                replica.set_state(ReplicaState.WARMING, f"worker {_phase(response)}")
+            except httpx.HTTPError as exc:  # not listening yet, or busy loading: ask again
+                log.debug("replica %s not answering yet: %r", replica.id, exc)
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+
+# ----------------------------------------------------------------------------- helpers
+async def _drain(replica_id: str, stdout: asyncio.StreamReader) -> None:
+    """Read what a worker prints after its address, so its stdout pipe never fills."""
+    while line := await stdout.readline():
+        log.debug("replica %s stdout: %s", replica_id, line.decode("utf-8", "replace").rstrip())
+
+
+async def _cancel(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel tasks and wait until they are done (a cancellation of the caller still works)."""
+    tasks = list(tasks)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
+    for task in tasks:
+        _retrieve(task, task.get_name())
+
+
+def _retrieve(task: asyncio.Task[Any], what: str) -> None:
+    """Log a finished task's exception (instead of leaving it unretrieved)."""
+    if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("%s failed: %r", what, exc)
+
+
+def _signal_group(process: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):  # it has just exited
+            os.killpg(process.pid, sig)
+
+
+def _slots_from(stats: httpx.Response, replica_id: str) -> int:
+    try:
+        slots = stats.json().get("slots")
+    except ValueError:
+        slots = None
+    if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0:
+        return slots
+    log.warning("replica %s: /stats has no usable slots (%r); using 1", replica_id, slots)
+    return 1
+
+
+def _phase(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("status"), str):
+        return str(body["status"])
+    return f"answers {response.status_code}"
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
+
+
+def _reason(stderr_tail: str) -> str:
+    """The last exception line of a worker's stderr (its traceback's verdict), or ""."""
+    lines = stderr_tail.splitlines()
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line):
+            return line.strip()
+    for line in reversed(lines):
+        if " ERROR " in line or " CRITICAL " in line:
+            return line.strip()
+    return ""
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= DETAIL_MAX_CHARS else text[: DETAIL_MAX_CHARS - 3] + "..."

@@ -1,0 +1,373 @@
+"""Local worker processes (LocalWorkers) and static upstreams (UpstreamHealth), for real.
+
+Workers use the simulated engine: a worker is ready about a second after its launch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.procs import Proc, child_env, stop, worker_process
+from tidegate.config import TidegateConfig, parse_config
+from tidegate.control import local
+from tidegate.control.health import DEFAULT_UPSTREAM_SLOTS, UpstreamHealth
+from tidegate.control.local import LocalWorkers, device_env, resolve_devices, worker_command
+from tidegate.gateway.replicas import Replica, ReplicaState
+
+READY, FAILED, STOPPED = ReplicaState.READY, ReplicaState.FAILED, ReplicaState.STOPPED
+REPO = Path(__file__).resolve().parents[2]
+
+
+def sim_config(*models: dict[str, Any], devices: list[str] | None = None) -> TidegateConfig:
+    return parse_config(
+        {"pools": {"shared": {"devices": devices or ["cpu"]}}, "models": list(models)}, "<test>"
+    )
+
+
+def sim(name: str = "sim", **extra: Any) -> dict[str, Any]:
+    return {"name": name, "engine": "simulated", "task": "embeddings", **extra}
+
+
+class Changes:
+    """Records on_change calls; tests wait on conditions without sleeping blindly."""
+
+    def __init__(self) -> None:
+        self.history: list[tuple[str, ReplicaState, str]] = []
+        self._event = asyncio.Event()
+
+    def __call__(self, replica: Replica) -> None:
+        self.history.append((replica.id, replica.state, replica.detail))
+        self._event.set()
+
+    def states(self, replica_id: str) -> list[ReplicaState]:
+        return [state for rid, state, _ in self.history if rid == replica_id]
+
+    async def until(self, predicate: Callable[[], bool], timeout_s: float = 15.0) -> None:
+        async with asyncio.timeout(timeout_s):
+            while not predicate():
+                self._event.clear()
+                await self._event.wait()
+
+
+def alive(pid: int) -> bool:
+    """A process exists and is not a zombie (a reparented zombie may linger unreaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@contextlib.asynccontextmanager
+async def running(workers: LocalWorkers) -> AsyncIterator[LocalWorkers]:
+    try:
+        await workers.start()
+        yield workers
+    finally:
+        await workers.stop(timeout_s=5)
+
+
+# ----------------------------------------------------------------------------- no processes
+def test_replicas_are_placed_round_robin_over_the_pool_devices() -> None:
+    config = sim_config(
+        sim("a", replicas=3), sim("b", replicas=1, slots=5), devices=["cuda:0", "cuda:3"]
+    )
+    workers = LocalWorkers(config, on_change=Changes())
+    ids = [r.id for r in workers.replicas]
+    assert ids == ["a-shared-0", "a-shared-1", "a-shared-2", "b-shared-0"]
+    assert [workers.device_of(i) for i in ids] == ["cuda:0", "cuda:3", "cuda:0", "cuda:3"]
+    assert {r.kind for r in workers.replicas} == {"local"}
+    assert [r.state for r in workers.replicas] == [ReplicaState.STARTING] * 4
+    assert workers.replicas[3].slots == 5
+    assert device_env("cuda:3") == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "3"})
+    assert device_env("cpu") == ("cpu", {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_auto_is_the_gpus_nvml_finds_else_cpu() -> None:
+    assert resolve_devices(["auto"], gpus=lambda: 0) == ["cpu"]
+    assert resolve_devices(["auto"], gpus=lambda: 2) == ["cuda:0", "cuda:1"]
+    assert resolve_devices(["cpu"], gpus=lambda: 2) == ["cpu"]
+    assert local.gpu_count() >= 0  # without pynvml or a GPU: 0, never an error
+
+
+def test_worker_command_carries_the_settings() -> None:
+    config = sim_config(sim(batching={"max_batch_size": 8, "max_batch_tokens": 512}))
+    command = worker_command(config.worker_settings("sim", "cuda:0"))
+    pairs = dict(itertools.pairwise(command))
+    assert "worker" in command
+    assert pairs["--model"] == "sim"
+    assert pairs["--engine"] == "simulated"
+    assert pairs["--task"] == "embeddings"
+    assert pairs["--device"] == "cuda:0"
+    assert pairs["--max-batch-size"] == "8"
+    assert pairs["--max-batch-tokens"] == "512"
+    assert (pairs["--host"], pairs["--port"]) == ("127.0.0.1", "0")
+
+
+# ----------------------------------------------------------------------------- local workers
+@pytest.mark.asyncio
+async def test_workers_start_restart_after_a_crash_and_stop(tmp_path: Path) -> None:
+    changes = Changes()
+    config = sim_config(sim(replicas=2), sim("fixed", slots=5))
+    workers = LocalWorkers(config, on_change=changes, log_dir=tmp_path)
+    a, b, fixed = workers.replicas
+    assert (a.id, b.id, fixed.id) == ("sim-shared-0", "sim-shared-1", "fixed-shared-0")
+    pids: list[int] = []
+    async with running(workers):
+        assert all(r.url is not None for r in workers.replicas)  # start() returns once bound
+        await changes.until(lambda: all(r.state is READY for r in workers.replicas))
+        async with httpx.AsyncClient(timeout=5) as client:
+            for replica in (a, b):
+                stats = (await client.get(f"{replica.url}/stats")).json()
+                assert replica.slots == stats["slots"] > 1
+                answer = await client.post(
+                    f"{replica.url}/v1/embeddings", json={"model": "sim", "input": "hi"}
+                )
+                assert answer.status_code == 200
+            assert fixed.slots == 5  # the config's slots win over /stats
+            pid_a, pid_b = workers.pid(a.id), workers.pid(b.id)
+            assert pid_a is not None
+            assert pid_b is not None
+            pids += [pid_a, pid_b]
+
+            workers.kill(a.id)
+            await changes.until(lambda: a.state is FAILED)
+            assert a.detail.startswith("killed by SIGKILL while ready"), a.detail
+            assert a.url is None
+            await changes.until(lambda: a.state is READY)
+            assert a.restarts == 1
+            new_pid = workers.pid(a.id)
+            assert new_pid is not None
+            assert new_pid != pid_a
+            pids.append(new_pid)
+            assert changes.states(a.id)[-4:] == [
+                FAILED,
+                ReplicaState.STARTING,
+                ReplicaState.WARMING,
+                READY,
+            ] or changes.states(a.id)[-3:] == [FAILED, ReplicaState.STARTING, READY]
+            assert (await client.get(f"{a.url}/readyz")).status_code == 200
+            assert (b.state, b.restarts, workers.pid(b.id)) == (READY, 0, pid_b)
+        fixed_pid = workers.pid(fixed.id)
+        assert fixed_pid is not None
+        pids.append(fixed_pid)
+    assert [r.state for r in workers.replicas] == [STOPPED] * 3
+    assert not any(alive(pid) for pid in pids), [pid for pid in pids if alive(pid)]
+    assert workers.pid(a.id) is None
+    await workers.stop()  # idempotent
+    assert (tmp_path / "sim-shared-0.log").is_file()
+
+
+@pytest.mark.asyncio
+async def test_a_worker_that_cannot_load_fails_and_is_retried_with_backoff(
+    tmp_path: Path,
+) -> None:
+    changes = Changes()
+    config = sim_config(sim(profile=str(tmp_path / "missing.json")))
+    workers = LocalWorkers(config, on_change=changes, log_dir=tmp_path / "logs")
+    (replica,) = workers.replicas
+    async with running(workers):
+        await changes.until(lambda: replica.state is FAILED)
+        assert replica.detail.startswith("exited with status 1 while starting"), replica.detail
+        assert "missing.json" in replica.detail  # the last line of its stderr
+        failed_at = time.monotonic()
+        await changes.until(lambda: replica.restarts == 1 and replica.state is FAILED)
+        assert time.monotonic() - failed_at >= 0.9  # it backed off (1 s) before the retry
+    assert replica.state is STOPPED
+    log_text = (tmp_path / "logs" / f"{replica.id}.log").read_text()
+    assert log_text.count("ConfigError") >= 2  # both attempts' stderr
+
+
+@pytest.mark.asyncio
+async def test_a_worker_not_ready_in_time_is_killed(tmp_path: Path) -> None:
+    profile = tmp_path / "slow.json"
+    profile.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "model": "sim",
+                "task": "embeddings",
+                "device": "cpu",
+                "memory_mb": 100,
+                "weights_mb": 10,
+                "embeddings": {"points": [{"batch_size": 1, "latency_ms": 5000}]},
+            }
+        )
+    )
+    changes = Changes()
+    config = sim_config(sim(profile=str(profile), batching={"max_batch_size": 1}))
+    workers = LocalWorkers(config, on_change=changes, ready_timeout_s=2.0)
+    (replica,) = workers.replicas
+    async with running(workers):
+        pid = workers.pid(replica.id)
+        assert pid is not None
+        await changes.until(lambda: replica.state is FAILED)
+        assert replica.detail.startswith("not ready within 2s"), replica.detail
+        assert ReplicaState.WARMING in changes.states(replica.id)
+        assert not alive(pid)
+
+
+ORPHAN_PARENT = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    from tidegate.config import parse_config
+    from tidegate.control.local import LocalWorkers
+
+    async def main():
+        config = parse_config(
+            {"pools": {"shared": {"devices": ["cpu"]}},
+             "models": [{"name": "sim", "engine": "simulated", "task": "embeddings"}]},
+            "<orphan test>",
+        )
+        workers = LocalWorkers(config, on_change=lambda r: None, log_dir=Path(sys.argv[1]))
+        await workers.start()
+        print(workers.pid(workers.replicas[0].id), flush=True)
+        await asyncio.sleep(60)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_workers_die_with_a_killed_parent(tmp_path: Path) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN_PARENT, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=child_env(),
+        cwd=REPO,
+        start_new_session=True,
+    )
+    worker_pid: int | None = None
+    try:
+        assert parent.stdout is not None
+        line = parent.stdout.readline().strip()
+        assert line.isdigit(), f"parent printed {line!r}"
+        worker_pid = int(line)
+        assert alive(worker_pid)
+        parent.kill()  # SIGKILL: no clean-up code runs in the parent
+        parent.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while alive(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(worker_pid), "the worker outlived its SIGKILLed parent"
+    finally:
+        stop(parent)
+        if worker_pid is not None and alive(worker_pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker_pid, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- upstreams
+@pytest.fixture
+def upstream() -> Iterator[Proc]:
+    with worker_process("--model", "sim", "--engine", "simulated", "--task", "embeddings") as proc:
+        yield proc
+
+
+@pytest.mark.asyncio
+async def test_an_upstream_is_ready_while_it_answers(upstream: Proc) -> None:
+    changes = Changes()
+    config = parse_config(
+        {
+            "models": [
+                {
+                    "name": "vllm",
+                    "engine": "openai",
+                    "task": "embeddings",
+                    "upstreams": [f"{upstream.url}/v1"],
+                }
+            ]
+        },
+        "<test>",
+    )
+    health = UpstreamHealth(config, on_change=changes, interval_s=0.2, timeout_s=1.0)
+    (replica,) = health.replicas
+    assert (replica.id, replica.kind, replica.url) == ("vllm-0", "upstream", upstream.url)
+    assert replica.slots == DEFAULT_UPSTREAM_SLOTS
+    assert replica.pool == config.model("vllm").upstream_pool
+    await health.start()
+    try:
+        await changes.until(lambda: replica.state is READY)
+        assert replica.detail == "/readyz answers 200"
+        await asyncio.to_thread(stop, upstream.process)
+        await changes.until(lambda: replica.state is FAILED)
+        assert "ConnectError" in replica.detail
+    finally:
+        await health.stop()
+    assert replica.state is STOPPED
+    await health.stop()  # idempotent
+
+
+@pytest.mark.asyncio
+async def test_upstream_probes_fall_back_on_404() -> None:
+    answers: dict[str, dict[str, int]] = {
+        "http://vllm.test": {"/health": 200},
+        "http://plain.test": {"/v1/models": 200},
+        "http://warming.test": {"/readyz": 503},
+        "http://none.test": {},
+    }
+    asked: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        root = f"{request.url.scheme}://{request.url.host}"
+        asked.append(f"{root}{request.url.path}")
+        status = answers[root].get(request.url.path, 404)
+        return httpx.Response(status, json={"status": "warming"} if status == 503 else {})
+
+    config = parse_config(
+        {
+            "models": [
+                {
+                    "name": "m",
+                    "engine": "openai",
+                    "task": "generate",
+                    "upstreams": list(answers),
+                    "slots": 3,
+                },
+            ]
+        },
+        "<test>",
+    )
+    changes = Changes()
+    health = UpstreamHealth(config, on_change=changes, transport=httpx.MockTransport(handler))
+    vllm, plain, warming, none = health.replicas
+    await health.start()
+    try:
+        await changes.until(
+            lambda: all(r.state is not ReplicaState.STARTING for r in health.replicas)
+        )
+        assert (vllm.state, vllm.detail) == (READY, "/health answers 200")
+        assert (plain.state, plain.detail) == (READY, "/v1/models answers 200")
+        assert (warming.state, warming.detail) == (FAILED, "/readyz answers 503: warming")
+        assert none.state is FAILED
+        assert none.detail.startswith("no health endpoint")
+        assert vllm.slots == 3
+        asked.clear()
+        await health.check(vllm)  # the path that answered is asked first
+        assert asked == ["http://vllm.test/health"]
+    finally:
+        await health.stop()

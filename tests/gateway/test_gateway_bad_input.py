@@ -1,0 +1,109 @@
+"""Bad input to the gateway: a 4xx with an OpenAI-shaped body, never a 500 or a hang."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.gateway.harness import flat_profile, gateway_client, sim_config, sim_worker
+
+APP_KEY = "sk-app-123"
+BATCH_KEY = "sk-batch-456"
+
+
+def _keys() -> list[dict[str, str]]:
+    def digest(key: str) -> str:
+        return hashlib.sha256(key.encode()).hexdigest()
+
+    return [
+        {
+            "name": "app",
+            "sha256": digest(APP_KEY),
+            "default_priority": "high",
+            "max_priority": "high",
+        },
+        {
+            "name": "batch",
+            "sha256": digest(BATCH_KEY),
+            "default_priority": "low",
+            "max_priority": "medium",
+        },
+    ]
+
+
+@dataclass(frozen=True)
+class Bad:
+    name: str
+    body: Any
+    status: int
+    code_or_param: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    path: str = "/v1/embeddings"
+    key: str | None = BATCH_KEY
+
+
+OK = {"model": "sim", "input": "hello"}
+CASES = [
+    Bad("no_key", OK, 401, "invalid_api_key", key=None),
+    Bad("wrong_key", OK, 401, "invalid_api_key", key="sk-nope"),
+    Bad("priority_above_the_keys_cap", OK, 403, "priority_above_cap", {"X-Priority": "high"}),
+    Bad("priority_field_above_cap", {**OK, "priority": "high"}, 403, "priority_above_cap"),
+    Bad("unknown_priority_name", OK, 400, "priority", {"X-Priority": "urgent"}),
+    Bad("priority_index_out_of_range", OK, 400, "priority", {"X-Priority": "7"}),
+    Bad("priority_wrong_type", {**OK, "priority": [1]}, 400, "priority"),
+    Bad("invalid_json", "{nope", 400),
+    Bad("empty_body", "", 400),
+    Bad("body_not_an_object", [1, 2], 400),
+    Bad("missing_model", {"input": "x"}, 400, "model"),
+    Bad("model_not_a_string", {"model": 5, "input": "x"}, 400, "model"),
+    Bad("unknown_model", {"model": "nope", "input": "x"}, 404, "model_not_found"),
+    Bad("wrong_task", {"model": "sim", "prompt": "x"}, 400, "wrong_task", path="/v1/completions"),
+    Bad("body_too_large", {"model": "sim", "input": "x" * 70_000}, 413),
+    Bad("worker_rejects_empty_input", {"model": "sim", "input": ""}, 400, "input"),
+]
+
+
+@pytest.mark.asyncio
+async def test_bad_requests_get_4xx_and_the_gateway_keeps_serving(tmp_path: Path) -> None:
+    profile = flat_profile(tmp_path / "flat.json", 1.0)
+    with sim_worker(profile) as worker:
+        data = sim_config(worker.url, keys=_keys(), gateway={"max_request_bytes": 65536})
+        async with gateway_client(data, [worker.url], 4) as (client, _):
+            for case in CASES:
+                headers = dict(case.headers)
+                if case.key is not None:
+                    headers["Authorization"] = f"Bearer {case.key}"
+                raw = case.body if isinstance(case.body, str) else json.dumps(case.body)
+                response = await client.post(
+                    case.path,
+                    content=raw.encode(),
+                    headers={"Content-Type": "application/json", **headers},
+                )
+                assert response.status_code == case.status, (case.name, response.text)
+                error = response.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"}, case.name
+                if case.code_or_param is not None:
+                    assert case.code_or_param in (error["code"], error["param"]), (case.name, error)
+                assert "X-Request-Id" in response.headers, case.name
+            ok = await client.post(
+                "/v1/embeddings", json=OK, headers={"Authorization": f"Bearer {APP_KEY}"}
+            )
+            assert ok.status_code == 200
+            assert ok.headers["X-Request-Id"].startswith("req-")
+            assert float(ok.headers["X-Tidegate-Queue-Ms"]) >= 0
+            lowered = await client.post(
+                "/v1/embeddings",
+                json=OK,
+                headers={"Authorization": f"Bearer {APP_KEY}", "X-Priority": "low"},
+            )
+            assert lowered.status_code == 200  # lowering one's own priority is allowed
+            metrics = (await client.get("/metrics")).text
+    assert 'tidegate_requests_total{model="sim",outcome="completed",priority="high"} 1.0' in (
+        metrics
+    )
+    assert 'outcome="invalid"' in metrics
