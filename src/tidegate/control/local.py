@@ -474,6 +474,7 @@ class LocalWorkers:
             if stderr is not None:
                 stderr.close()  # the child has its own descriptor
         slot.process = process
+        slot.replica.pid = process.pid
         log.info("replica %s: worker pid %d on %s", slot.replica.id, process.pid, slot.device)
         return process
 

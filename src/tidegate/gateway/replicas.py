@@ -35,6 +35,7 @@ class Replica:
     slots: int = 1
     in_flight: int = 0
     restarts: int = 0
+    pid: int | None = None  # local workers: the process (and process group) id
     detail: str = ""  # why it is in its state, for /admin/replicas and logs
     on_change: Callable[[Replica], None] | None = field(default=None, repr=False)
 
@@ -64,5 +65,6 @@ class Replica:
             "slots": self.slots,
             "in_flight": self.in_flight,
             "restarts": self.restarts,
+            "pid": self.pid,
             "detail": self.detail,
         }
