@@ -21,7 +21,7 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	touch $@ $(VENV)/.installed-run
 
 run: $(VENV)/.installed-run
-	$(BIN)/tidegate --help
+	$(BIN)/tidegate serve $(ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests benchmarks

@@ -41,15 +41,16 @@ async def test_high_priority_keeps_its_latency_under_low_flood_and_fifo_does_not
         data = sim_config(worker.url)
         async with gateway_client(data, [worker.url], SLOTS) as (client, _):
             unloaded = statistics.median([await _timed(client) for _ in range(5)])
-            priority = await _high_latency_under_low_flood(client, 60)
+            priority = await _high_latency_under_low_flood(client, 100)
         fifo_data = sim_config(worker.url, gateway={"policy": "fifo"})
         async with gateway_client(fifo_data, [worker.url], SLOTS) as (client, _):
-            fifo = await _high_latency_under_low_flood(client, 60)
-    # 60 low requests are 15 batches (0.9 s) of work ahead. Priority: a high request waits
-    # at most for the batch on the engine. FIFO: it waits behind the whole flood.
-    assert priority < 3 * unloaded, (priority, unloaded)
-    assert fifo > 5 * unloaded, (fifo, unloaded)
-    assert fifo > 3 * priority
+            fifo = await _high_latency_under_low_flood(client, 100)
+    # 100 low requests are 25 batches (1.5 s) of work ahead. Priority: a high request waits
+    # about one batch (the one on the engine) before its own. FIFO: it waits behind the
+    # whole flood. Margins are wide: this machine is shared and noisy.
+    assert priority < 5 * unloaded, (priority, unloaded)
+    assert fifo > 8 * unloaded, (fifo, unloaded)
+    assert fifo > 3 * priority, (fifo, priority)
 
 
 async def _timed(client: httpx.AsyncClient) -> float:
