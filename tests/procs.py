@@ -40,8 +40,30 @@ def worker_process(
     *args: str, ready_timeout_s: float = 120.0, wait_ready: bool = True
 ) -> Iterator[Proc]:
     """``tidegate worker ARGS --port 0``; yields once its address is known (and it is ready)."""
+    with tidegate_process(
+        "worker", *args, ready_timeout_s=ready_timeout_s, wait_ready=wait_ready
+    ) as proc:
+        yield proc
+
+
+@contextlib.contextmanager
+def gateway_process(
+    *args: str, ready_timeout_s: float = 180.0, wait_ready: bool = True
+) -> Iterator[Proc]:
+    """``tidegate serve ARGS --port 0``; yields once every model has a ready replica."""
+    with tidegate_process(
+        "serve", *args, ready_timeout_s=ready_timeout_s, wait_ready=wait_ready
+    ) as proc:
+        yield proc
+
+
+@contextlib.contextmanager
+def tidegate_process(
+    command: str, *args: str, ready_timeout_s: float, wait_ready: bool
+) -> Iterator[Proc]:
+    """A tidegate server process that prints its address as the first line of output."""
     process = subprocess.Popen(
-        [TIDEGATE, "worker", "--port", "0", "--log-level", "warning", *args],
+        [TIDEGATE, command, "--port", "0", "--log-level", "warning", *args],
         stdout=subprocess.PIPE,
         text=True,
         env=child_env(),
@@ -50,7 +72,7 @@ def worker_process(
     try:
         assert process.stdout is not None
         url = process.stdout.readline().strip()
-        assert url.startswith("http://127.0.0.1:"), f"worker printed {url!r}"
+        assert url.startswith("http://127.0.0.1:"), f"tidegate {command} printed {url!r}"
         proc = Proc(url, process)
         if wait_ready:
             wait_until_ready(proc, ready_timeout_s)
@@ -93,27 +115,3 @@ def wait_for(predicate: object, timeout_s: float = 10.0, interval_s: float = 0.0
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s}s")
         time.sleep(interval_s)
-
-
-@contextlib.contextmanager
-def gateway_process(
-    *args: str, ready_timeout_s: float = 180.0, wait_ready: bool = True
-) -> Iterator[Proc]:
-    """``tidegate serve ARGS --port 0``; yields once every model has a ready replica."""
-    process = subprocess.Popen(
-        [TIDEGATE, "serve", "--port", "0", "--log-level", "warning", *args],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=child_env(),
-        start_new_session=True,
-    )
-    try:
-        assert process.stdout is not None
-        url = process.stdout.readline().strip()
-        assert url.startswith("http://127.0.0.1:"), f"gateway printed {url!r}"
-        proc = Proc(url, process)
-        if wait_ready:
-            wait_until_ready(proc, ready_timeout_s)
-        yield proc
-    finally:
-        stop(process)

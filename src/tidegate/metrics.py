@@ -28,27 +28,22 @@ LATENCY_BUCKETS_S = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-class WorkerMetrics:
-    """What one engine worker exports on /metrics."""
+class _RequestMetrics:
+    """The request metrics every process exports, with the same names and labels."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None, where: str) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.queue_depth = Gauge(
             "tidegate_queue_depth",
-            "Requests waiting in this process's queue.",
+            f"Requests waiting in the {where}'s queue.",
             ["model", "priority"],
-            registry=r,
-        )
-        self.inflight = Gauge(
-            "tidegate_worker_inflight",
-            "Requests (embedding inputs or sequences) running.",
-            ["model"],
             registry=r,
         )
         self.request_duration = Histogram(
             "tidegate_request_duration_seconds",
-            "Request duration by phase.",
+            "Request duration by phase: queue (waiting for a slot), ttft (to the first byte "
+            "of the reply), e2e (whole request).",
             ["model", "priority", "phase"],
             buckets=LATENCY_BUCKETS_S,
             registry=r,
@@ -57,6 +52,20 @@ class WorkerMetrics:
             "tidegate_requests_total",
             "Requests by terminal outcome.",
             ["model", "priority", "outcome"],
+            registry=r,
+        )
+
+
+class WorkerMetrics(_RequestMetrics):
+    """What one engine worker exports on /metrics."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry, "worker")
+        r = self.registry
+        self.inflight = Gauge(
+            "tidegate_worker_inflight",
+            "Requests (embedding inputs or sequences) running.",
+            ["model"],
             registry=r,
         )
         self.batch_size = Histogram(
@@ -97,36 +106,16 @@ class WorkerMetrics:
         )
 
 
-class GatewayMetrics:
+class GatewayMetrics(_RequestMetrics):
     """What the gateway exports on /metrics."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        super().__init__(registry, "gateway")
         r = self.registry
-        self.queue_depth = Gauge(
-            "tidegate_queue_depth",
-            "Requests waiting in the gateway's queue.",
-            ["model", "priority"],
-            registry=r,
-        )
         self.inflight = Gauge(
             "tidegate_inflight",
             "Requests sent to a replica and not yet finished.",
             ["model", "replica"],
-            registry=r,
-        )
-        self.request_duration = Histogram(
-            "tidegate_request_duration_seconds",
-            "Request duration by phase: queue (waiting for a slot), ttft (to the first byte "
-            "of the reply), e2e (whole request).",
-            ["model", "priority", "phase"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.requests = Counter(
-            "tidegate_requests_total",
-            "Requests by terminal outcome.",
-            ["model", "priority", "outcome"],
             registry=r,
         )
         self.replicas = Gauge(
