@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.gateway.harness import flat_profile, gateway_client, sim_config, sim_worker
+from tidegate.gateway.replicas import ReplicaState
 
 BATCH_MS = 60.0
 SLOTS = 4
@@ -164,3 +165,42 @@ async def test_infeasible_deadline_is_refused_at_once_and_timeouts_give_504(
     assert int(refused.headers["Retry-After"]) >= 1
     assert timed_out.status_code == 504
     assert timed_out.json()["error"]["code"] == "queue_timeout"
+
+
+@pytest.mark.asyncio
+async def test_no_ready_replica_is_503_with_retry_after(tmp_path: Path) -> None:
+    profile = flat_profile(tmp_path / "flat.json", 10.0)
+    with sim_worker(profile) as worker:
+        async with gateway_client(sim_config(worker.url), [worker.url], 2) as (client, gw):
+            (replica,) = gw.replicas["sim"]
+            replica.set_state(ReplicaState.FAILED, "test: health check failed")
+            refused = await _embed(client, "high")
+            replica.set_state(ReplicaState.READY)
+            served = await _embed(client, "high")
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "no_ready_replica"
+    assert refused.headers["Retry-After"] == "2"
+    assert served.status_code == 200
+
+
+@pytest.mark.asyncio
+async def test_client_gone_while_queued_leaves_the_queue_and_frees_nothing_twice(
+    tmp_path: Path,
+) -> None:
+    profile = flat_profile(tmp_path / "flat.json", 300.0)
+    with sim_worker(profile, "--max-batch-size", "1") as worker:
+        async with gateway_client(sim_config(worker.url), [worker.url], 1) as (client, gw):
+            dispatcher = gw.dispatchers["sim"]
+            running = asyncio.create_task(_embed(client, "high"))
+            await asyncio.sleep(0.05)
+            waiting = asyncio.create_task(_embed(client, "low"))
+            await asyncio.sleep(0.05)
+            assert len(dispatcher.queue) == 1
+            waiting.cancel()  # the client goes away while queued
+            await asyncio.gather(waiting, return_exceptions=True)
+            await asyncio.sleep(0.05)
+            assert len(dispatcher.queue) == 0
+            assert (await running).status_code == 200
+            assert dispatcher.num_in_flight() == 0
+            metrics = (await client.get("/metrics")).text
+    assert 'tidegate_requests_total{model="sim",outcome="cancelled",priority="low"} 1.0' in metrics

@@ -234,6 +234,10 @@ async def _proxy(gateway: Gateway, request: Request) -> Response:
     except TidegateError as exc:
         call.outcome = call.outcome or _outcome_of(exc)
         response = error_response(exc, call.headers())
+    except asyncio.CancelledError:  # the server is cancelling this handler
+        call.outcome = call.outcome or "cancelled"
+        _count(gateway, call)
+        raise
     if call.outcome != "streaming":  # a stream counts its outcome when it ends
         _count(gateway, call)
     return response
@@ -330,7 +334,9 @@ async def _wait_for_slot(
 ) -> Replica:
     try:
         replica = await unless_disconnected(request, asyncio.shield(ticket.assigned))
-    except ClientGone:
+    except (ClientGone, asyncio.CancelledError):
+        # The client went away, or the server cancelled this handler: either way the
+        # request must leave the queue (or give back the slot it was just handed).
         dispatcher.cancel(ticket)
         call.outcome = "cancelled"
         raise

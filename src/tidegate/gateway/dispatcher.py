@@ -29,6 +29,7 @@ from tidegate.gateway.replicas import Replica
 from tidegate.metrics import GatewayMetrics
 
 log = logging.getLogger("tidegate.gateway")
+NO_REPLICA_RETRY_AFTER_S = 2.0  # about the time a crashed worker takes to come back
 
 
 @dataclass(eq=False)
@@ -75,6 +76,14 @@ class ModelDispatcher:
         """Admit and queue, or raise Overloaded (429) / NotReady (503)."""
         if self.closed is not None:
             raise NotReady(self.closed, code="shutting_down", retry_after_s=1.0)
+        if not any(replica.ready for replica in self.replicas):
+            # Why not queue: with nothing ready there is no drain rate to promise a wait
+            # from; the client learns it now and when to come back.
+            raise NotReady(
+                f"{self.model}: no ready replica (starting, restarting or failed)",
+                code="no_ready_replica",
+                retry_after_s=NO_REPLICA_RETRY_AFTER_S,
+            )
         now = self.clock.now()
         decision = self.queue.admit(request, now, self.saturation())
         if isinstance(decision, Rejected):
