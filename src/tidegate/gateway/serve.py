@@ -77,6 +77,8 @@ def serve_gateway(config: TidegateConfig, log_level: str = "info") -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # One line per health check would drown the log; httpx's own errors still show.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     for note in config.notes:
         log.warning("config: %s", note)
     gateway, _ = build_gateway(config)
