@@ -50,3 +50,29 @@ def test_memory_reports_weights_and_peak(engine: TransformersEmbeddings) -> None
     memory = engine.memory()
     assert 80e6 < memory.weights_bytes < 100e6  # 22.7M float32 parameters
     assert memory.peak_bytes > memory.weights_bytes
+
+
+def test_counting_tokens_while_a_batch_runs_is_safe(engine: TransformersEmbeddings) -> None:
+    # The worker counts tokens on the event loop while batches run in a thread; one shared
+    # Hugging Face tokenizer used that way failed batches with "Unable to create tensor".
+    import threading
+
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def batches() -> None:
+        try:
+            for i in range(120):
+                # Different lengths: the batch needs padding, which the counting call resets.
+                engine.embed_sync(["tide " * (1 + j * 7) + str(i) for j in range(4)])
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=batches)
+    thread.start()
+    while not done.is_set():
+        engine.count_tokens(["counting on the event loop", "while batches run"])
+    thread.join()
+    assert errors == []

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import resource
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tidegate.engines.base import MemoryReport, ModelCard
+from tidegate.engines.hf_runtime import engine_memory, quiet_transformers
 
 MINILM_DESCRIPTION = (
     "sentence-transformers/all-MiniLM-L6-v2: 384-dim sentence embeddings "
@@ -52,6 +51,7 @@ class TransformersEmbeddings:
             description=MINILM_DESCRIPTION,
         )
         self._tokenizer: Any = None
+        self._counter: Any = None
         self._model: Any = None
         self._max_seq_length = 256
 
@@ -59,8 +59,12 @@ class TransformersEmbeddings:
         import torch
         from transformers import AutoModel, AutoTokenizer
 
+        quiet_transformers()
         folder = Path(self.model_path) if self.model_path else minilm_path()
         self._tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        # A second tokenizer for counting on the event loop: a Hugging Face tokenizer is not
+        # safe to call from two threads at once, and batches run in another thread.
+        self._counter = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModel.from_pretrained(folder, local_files_only=True)
         self._model = model.to(torch.device(self.device)).eval()
         config = model.config
@@ -77,7 +81,7 @@ class TransformersEmbeddings:
         )
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        encoded = self._tokenizer(list(texts), add_special_tokens=True, truncation=False)
+        encoded = self._counter(list(texts), add_special_tokens=True, truncation=False)
         return [len(ids) for ids in encoded["input_ids"]]
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
@@ -107,20 +111,3 @@ class TransformersEmbeddings:
 
     def close(self) -> None:
         self._model = None
-
-
-def engine_memory(model: Any, device: str) -> MemoryReport:
-    """Weights: parameters and buffers. Peak: the CUDA allocator's, or the process RSS."""
-    import torch
-
-    weights = 0
-    if model is not None:
-        tensors = [*model.parameters(), *model.buffers()]
-        weights = sum(t.numel() * t.element_size() for t in tensors)
-    if device.startswith("cuda"):
-        peak = int(torch.cuda.max_memory_allocated(torch.device(device)))
-    else:
-        # ru_maxrss is KiB on Linux, bytes on macOS.
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak = rss if sys.platform == "darwin" else rss * 1024
-    return MemoryReport(device=device, weights_bytes=weights, peak_bytes=peak)

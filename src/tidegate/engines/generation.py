@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tidegate.engines.base import MemoryReport, ModelCard, SamplingParams, TokenEvent
+from tidegate.engines.hf_runtime import engine_memory, quiet_transformers
 from tidegate.engines.text import StopScanner
 from tidegate.errors import PromptTooLong, ReplicaFailed
 
@@ -54,16 +55,6 @@ PAGE_SIZE = 32  # tokens per KV page: small pages waste little on short sequence
 STOP_TIMEOUT_S = 10.0
 _POLL_S = 0.05  # how often the reader thread checks the manager is alive when idle
 _DETOKENIZE_LOOKBACK = 4  # prompt tokens decoded before the output, for leading spaces
-
-
-def quiet_transformers() -> None:
-    """No progress bars nor info logs from transformers; errors still show."""
-    from transformers.utils import logging as transformers_logging
-
-    hf_logging: Any = transformers_logging
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,8 +319,6 @@ class TransformersGenerator:
         self._model = self._manager = None
 
     def memory(self) -> MemoryReport:
-        from tidegate.engines.embeddings import engine_memory
-
         return engine_memory(self._model, self.device)
 
     # ------------------------------------------------------------------ prompts

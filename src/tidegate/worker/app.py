@@ -15,7 +15,7 @@ import time
 import uuid
 from array import array
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -125,8 +125,7 @@ def create_app(
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         body = wire.parse(wire.EmbeddingsRequest, await json_body(request))
-        engine = _engine_for(worker, body.model, "embeddings")
-        assert isinstance(engine, EmbeddingEngine)
+        engine = cast(EmbeddingEngine, _engine_for(worker, body.model, "embeddings"))
         priority = _priority(request)
         texts = _texts(body, engine.card)
         tokens = engine.count_tokens(texts)
@@ -155,8 +154,7 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = wire.parse(wire.CompletionRequest, await json_body(request))
-        engine = _engine_for(worker, body.model, "generate")
-        assert isinstance(engine, GenerationEngine)
+        engine = cast(GenerationEngine, _engine_for(worker, body.model, "generate"))
         prompt_ids = engine.encode(body.prompt_text())
         params = _sampling(body, body.max_tokens, engine.card, len(prompt_ids), 16)
         return await _generate(request, worker, body, prompt_ids, params, chat=False)
@@ -164,8 +162,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = wire.parse(wire.ChatCompletionRequest, await json_body(request))
-        engine = _engine_for(worker, body.model, "generate")
-        assert isinstance(engine, GenerationEngine)
+        engine = cast(GenerationEngine, _engine_for(worker, body.model, "generate"))
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = engine.encode_chat(messages)
         default = min(CHAT_DEFAULT_MAX_TOKENS, engine.card.max_output_tokens)

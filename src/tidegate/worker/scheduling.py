@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from tidegate.core.request import Request
 from tidegate.engines.base import EmbeddingEngine, GenerationEngine, SamplingParams, TokenEvent
 from tidegate.errors import Overloaded, ReplicaFailed
 from tidegate.metrics import WorkerMetrics
+
+log = logging.getLogger("tidegate.worker")
 
 # Completions remembered for the recent-throughput figure of /stats.
 _THROUGHPUT_WINDOW_S = 10.0
@@ -138,6 +141,7 @@ class EmbeddingBatcher:
         try:
             vectors = await self.engine.embed(texts)
         except Exception as exc:  # the engine failed this batch: fail its requests, go on
+            log.exception("engine %s failed a batch of %d", self.engine.card.name, len(batch))
             failure = ReplicaFailed(f"engine {self.engine.card.name}: {exc}")
             for r in batch:
                 self._settle(r.id, exc=failure)
