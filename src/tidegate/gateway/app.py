@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -67,7 +67,7 @@ class Gateway:
     replicas: dict[str, list[Replica]]
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     dispatchers: dict[str, ModelDispatcher] = field(default_factory=dict)
-    client: httpx.AsyncClient | None = None
+    client: aiohttp.ClientSession | None = None
     shutting_down: bool = False
     orchestrators: list[Any] = field(default_factory=list)  # start() / stop() replicas
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -108,7 +108,7 @@ class Gateway:
         for orchestrator in self.orchestrators:
             await orchestrator.stop()
         if self.client is not None:
-            await self.client.aclose()
+            await self.client.close()
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing is queued or in flight, for at most ``timeout_s``."""
