@@ -38,6 +38,7 @@ test: lint typecheck unit
 bench: $(VENV)/.installed-dev
 	$(BIN)/python benchmarks/bench_queue.py
 	$(BIN)/python benchmarks/bench_worker.py
+	$(BIN)/python benchmarks/bench_gateway.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
