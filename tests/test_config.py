@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import yaml
 
-from tidegate import config as config_module
 from tidegate.config import (
     EMBEDDED_SOURCE,
     FIFO_LEVEL,
@@ -21,6 +20,7 @@ from tidegate.config import (
     parse_config,
     render_config,
 )
+from tidegate.config import values as config_module
 from tidegate.core.batching import BatchConfig
 from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
 from tidegate.core.routing import PoolSpec

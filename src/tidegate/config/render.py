@@ -1,0 +1,95 @@
+"""The resolved config as YAML (what `tidegate config check` prints)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from tidegate.config.values import ModelSpec, TidegateConfig
+
+
+def render_config(config: TidegateConfig) -> str:
+    """The resolved configuration as YAML, every default written out.
+
+    The output is itself a valid configuration that loads to the same values.
+    """
+    doc: dict[str, Any] = {
+        "gateway": {
+            "host": config.gateway.host,
+            "port": config.gateway.port,
+            "policy": config.gateway.policy,
+            "shutdown_timeout_s": config.gateway.shutdown_timeout_s,
+            "max_request_bytes": config.gateway.max_request_bytes,
+        },
+        "priorities": {
+            "levels": list(config.levels),
+            "default": config.default_priority,
+            "aging": {
+                "threshold_s": config.aging.threshold_s,
+                "rate_per_s": config.aging.rate_per_s,
+            },
+        },
+        "pools": {
+            name: {"priorities": list(pool.priorities), "devices": list(pool.devices)}
+            for name, pool in config.pools.items()
+        },
+        "models": [_render_model(model) for model in config.models.values()],
+        "keys": [
+            {
+                "name": key.name,
+                "sha256": key.sha256,
+                "default_priority": key.default_priority,
+                "max_priority": key.max_priority,
+            }
+            for key in config.keys
+        ],
+    }
+    header = [f"# tidegate configuration from {config.source}: valid; defaults filled in."]
+    if config.fifo:
+        header.append(
+            "# policy fifo: each model has one FCFS queue level; no aging, no holdback, "
+            "no per-level limits."
+        )
+    header.extend(f"# note: {note}" for note in config.notes)
+    body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
+    return "\n".join(header) + "\n" + body
+
+
+class _Dumper(yaml.SafeDumper):
+    """Mappings as blocks, lists of plain values on one line: ``levels: [high, medium, low]``."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.SequenceNode:
+    flow = all(not isinstance(item, dict | list) for item in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+_Dumper.add_representer(list, _represent_list)
+
+
+def _render_model(model: ModelSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": model.name, "task": model.task, "engine": model.engine}
+    if model.engine == "transformers":
+        out["model_path"] = model.model_path
+    elif model.engine == "simulated":
+        out["profile"] = model.profile
+    if model.local:
+        out["replicas"] = dict(model.replicas)
+    else:
+        out["upstreams"] = list(model.upstreams)
+    out["pools"] = list(model.pools)
+    out["slots"] = model.slots
+    out["batching"] = {
+        "max_batch_size": model.batching.max_batch_size,
+        "batch_window_ms": model.batching.batch_window_ms,
+        "max_batch_tokens": model.batching.max_batch_tokens,
+        "max_num_seqs": model.batching.max_num_seqs,
+    }
+    out["queue"] = {
+        "max_size": model.queue.max_size,
+        "max_size_per_level": dict(model.queue.max_size_per_level),
+        "timeout_s": dict(model.queue.timeout_s),
+        "holdback": dict(model.queue.holdback),
+    }
+    return out

@@ -1,0 +1,509 @@
+"""Cross-field checks: names of levels, pools, models and keys; upstreams; holdback."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, NoReturn
+from urllib.parse import urlsplit, urlunsplit
+
+from tidegate.config.diagnostics import _describe, _sub
+from tidegate.config.schema import (
+    _AgingIn,
+    _BatchingIn,
+    _ConfigIn,
+    _GatewayIn,
+    _KeyIn,
+    _ModelIn,
+    _PoolIn,
+    _PrioritiesIn,
+    _QueueIn,
+)
+from tidegate.config.values import (
+    _DEVICE_RE,
+    _LOOPBACK_HOSTS,
+    _NAME_RE,
+    _SHA256_RE,
+    DEFAULT_HOLDBACK,
+    DEFAULT_LEVELS,
+    DEFAULT_POOL,
+    BatchingSpec,
+    GatewaySettings,
+    KeySpec,
+    ModelSpec,
+    PoolConfig,
+    QueueSpec,
+    TidegateConfig,
+)
+from tidegate.core.queue import AgingConfig
+from tidegate.engines.registry import KNOWN_MODELS
+from tidegate.errors import ConfigError
+
+# ----------------------------------------------------------------------------- cross-field
+
+
+def _suggest(word: str, options: list[str] | tuple[str, ...]) -> str:
+    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f"did you mean {match[0]!r}? " if match else ""
+
+
+def _url_root(url: str) -> str | None:
+    """The URL without a trailing '/' or '/v1', or None when it is not a usable http(s) URL."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port  # ValueError on a bad port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    if parts.query or parts.fragment or parts.username or parts.password:
+        return None
+    if port == 0:
+        return None
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+class _Resolver:
+    """Checks what spans fields, fills in defaults, and builds the frozen values."""
+
+    def __init__(self, source: str, base_dir: Path | None) -> None:
+        self.source = source
+        self.base_dir = base_dir
+        self.levels: tuple[str, ...] = DEFAULT_LEVELS
+        self.fifo = False
+        self.notes: list[str] = []
+
+    def fail(self, key: str, problem: str, fix: str) -> NoReturn:
+        raise ConfigError(self.source, key, problem, fix)
+
+    def level(self, name: str, key: str) -> str:
+        if name not in self.levels:
+            self.fail(
+                key,
+                f"unknown priority level {name!r}",
+                f"{_suggest(name, self.levels)}use one of priorities.levels: "
+                f"{', '.join(self.levels)}",
+            )
+        return name
+
+    def resolve(self, raw: _ConfigIn) -> TidegateConfig:
+        gateway_in = raw.gateway or _GatewayIn()
+        gateway = GatewaySettings(
+            host=gateway_in.host,
+            port=gateway_in.port,
+            policy=gateway_in.policy,
+            shutdown_timeout_s=gateway_in.shutdown_timeout_s,
+            max_request_bytes=gateway_in.max_request_bytes,
+        )
+        self.fifo = gateway.policy == "fifo"
+        priorities = raw.priorities or _PrioritiesIn()
+        self.levels = self._levels(priorities.levels)
+        if priorities.default is not None:
+            default = self.level(priorities.default, "priorities.default")
+        else:
+            default = "medium" if "medium" in self.levels else self.levels[-1]
+        aging_in = priorities.aging or _AgingIn()
+        aging = AgingConfig(threshold_s=aging_in.threshold_s, rate_per_s=aging_in.rate_per_s)
+        pools = self._pools(raw.pools)
+        models = self._models(raw.models, pools)
+        keys = self._keys(raw.keys or [], default)
+        self._gateway_notes(gateway, keys, models)
+        return TidegateConfig(
+            source=self.source,
+            gateway=gateway,
+            levels=self.levels,
+            default_priority=default,
+            aging=aging,
+            pools=MappingProxyType(pools),
+            models=MappingProxyType(models),
+            keys=keys,
+            notes=tuple(self.notes),
+        )
+
+    # ------------------------------------------------------------ priorities
+    def _levels(self, names: list[str]) -> tuple[str, ...]:
+        seen: dict[str, int] = {}
+        for index, name in enumerate(names):
+            key = f"priorities.levels[{index}]"
+            if name.isdigit():
+                self.fail(
+                    key,
+                    f"level name {name!r} is a number",
+                    "use a word: a number in X-Priority means a level index",
+                )
+            if name.lower() in seen:
+                self.fail(
+                    key,
+                    f"level {name!r} is listed twice "
+                    f"(also priorities.levels[{seen[name.lower()]}])",
+                    "give each level a different name (names are compared ignoring case)",
+                )
+            seen[name.lower()] = index
+        return tuple(names)
+
+    # ----------------------------------------------------------------- pools
+    def _pools(self, raw: dict[str, _PoolIn | None] | None) -> dict[str, PoolConfig]:
+        if raw is None:
+            raw = {DEFAULT_POOL: None}
+        pools: dict[str, PoolConfig] = {}
+        for name, pool_in in raw.items():
+            key = _sub("pools", name)
+            if not _NAME_RE.match(name):
+                self.fail(
+                    key,
+                    f"{name!r} is not a valid pool name",
+                    "use only letters, digits, '.', '_' and '-'",
+                )
+            pool_in = pool_in or _PoolIn()
+            served = list(self.levels)
+            if pool_in.priorities is not None:
+                for index, level in enumerate(pool_in.priorities):
+                    self.level(level, f"{key}.priorities[{index}]")
+                    if pool_in.priorities.index(level) != index:
+                        self.fail(
+                            f"{key}.priorities[{index}]",
+                            f"level {level!r} is listed twice",
+                            "list each level once",
+                        )
+                served = [level for level in self.levels if level in pool_in.priorities]
+            devices = self._devices(pool_in.devices, key)
+            pools[name] = PoolConfig(name, tuple(served), devices)
+        served_any = {level for pool in pools.values() for level in pool.priorities}
+        for level in self.levels:
+            if level not in served_any:
+                first = next(iter(pools))
+                self.fail(
+                    "pools",
+                    f"no pool serves level {level!r}: its requests could never run",
+                    f"add {level!r} to the priorities of a pool, e.g. "
+                    f"{_sub('pools', first)}.priorities",
+                )
+        return pools
+
+    def _devices(self, devices: list[str], pool_key: str) -> tuple[str, ...]:
+        for index, device in enumerate(devices):
+            key = f"{pool_key}.devices[{index}]"
+            if not _DEVICE_RE.match(device):
+                self.fail(
+                    key,
+                    f"unknown device {device!r}",
+                    "use auto (the GPUs NVML finds, else cpu), cpu, or cuda:N (e.g. cuda:0)",
+                )
+            if devices.index(device) != index:
+                self.fail(key, f"device {device!r} is listed twice", "list each device once")
+        if "auto" in devices and len(devices) > 1:
+            self.fail(
+                f"{pool_key}.devices",
+                "auto cannot be combined with other devices",
+                "give [auto] alone, or list the devices explicitly",
+            )
+        return tuple(devices)
+
+    # ---------------------------------------------------------------- models
+    def _models(
+        self, raw: list[_ModelIn] | None, pools: dict[str, PoolConfig]
+    ) -> dict[str, ModelSpec]:
+        if raw is None:
+            raw = [_ModelIn(name="minilm"), _ModelIn(name="tiny-llama")]
+        models: dict[str, ModelSpec] = {}
+        first_index: dict[str, int] = {}
+        for index, model_in in enumerate(raw):
+            key = f"models[{index}]"
+            if model_in.name in first_index:
+                self.fail(
+                    f"{key}.name",
+                    f"model {model_in.name!r} is already defined at "
+                    f"models[{first_index[model_in.name]}]",
+                    "give each model a unique name, or merge the two entries",
+                )
+            first_index[model_in.name] = index
+            models[model_in.name] = self._model(model_in, key, pools)
+        return models
+
+    def _model(self, m: _ModelIn, key: str, pools: dict[str, PoolConfig]) -> ModelSpec:
+        known = KNOWN_MODELS.get(m.name)
+        built_in = ", ".join(KNOWN_MODELS)
+        task = m.task or (known.task if known else None)
+        if task is None:
+            self.fail(
+                f"{key}.task",
+                f"model {m.name!r} is not built in ({built_in}), so its task is unknown",
+                "add 'task: embeddings' or 'task: generate'",
+            )
+        self._engine_fields(m, key, known is not None)
+        if m.engine == "transformers" and m.model_path is None and known and task != known.task:
+            self.fail(
+                f"{key}.task",
+                f"built-in model {m.name!r} does {known.task}, not {task}",
+                f"remove task (or set it to {known.task}), or give model_path for another model",
+            )
+        model_pools = self._model_pools(m, key, pools)
+        if m.engine == "openai":
+            upstreams = self._upstreams(m, key)
+            replicas: dict[str, int] = {}
+        else:
+            if m.upstreams:
+                self.fail(
+                    f"{key}.upstreams",
+                    f"upstreams are only for engine openai (this model's engine is {m.engine})",
+                    "remove upstreams, or set engine: openai",
+                )
+            upstreams = ()
+            replicas = self._replicas(m.replicas, key, model_pools)
+            if sum(replicas.values()) == 0:
+                self.notes.append(f"model {m.name} starts with no replica")
+        batching_in = m.batching or _BatchingIn()
+        batching = BatchingSpec(
+            max_batch_size=batching_in.max_batch_size,
+            batch_window_ms=batching_in.batch_window_ms,
+            max_batch_tokens=batching_in.max_batch_tokens,
+            max_num_seqs=batching_in.max_num_seqs,
+        )
+        served = {level for name in model_pools for level in pools[name].priorities}
+        unserved = [level for level in self.levels if level not in served]
+        if unserved and not self.fifo:
+            self.notes.append(
+                f"model {m.name}: no pool of its pools ({', '.join(model_pools)}) serves "
+                f"{', '.join(unserved)}; such requests can only run once aged into a served level"
+            )
+        return ModelSpec(
+            name=m.name,
+            task=task,
+            engine=m.engine,
+            model_path=self._path(m.model_path),
+            profile=self._path(m.profile),
+            replicas=MappingProxyType(replicas),
+            pools=model_pools,
+            upstreams=upstreams,
+            slots=m.slots,
+            batching=batching,
+            queue=self._queue(m.queue or _QueueIn(), f"{key}.queue"),
+        )
+
+    def _engine_fields(self, m: _ModelIn, key: str, built_in: bool) -> None:
+        if m.profile is not None and m.engine != "simulated":
+            self.fail(
+                f"{key}.profile",
+                f"profile is only for engine simulated (this model's engine is {m.engine})",
+                "remove profile, or set engine: simulated",
+            )
+        if m.model_path is not None and m.engine != "transformers":
+            self.fail(
+                f"{key}.model_path",
+                f"model_path is only for engine transformers (this model's engine is {m.engine})",
+                "remove model_path, or set engine: transformers",
+            )
+        if m.engine == "transformers" and m.model_path is None and not built_in:
+            self.fail(
+                f"{key}.model_path",
+                f"model {m.name!r} is not built in ({', '.join(KNOWN_MODELS)})",
+                "give model_path: a local Hugging Face model folder "
+                "(or use engine simulated or openai)",
+            )
+
+    def _model_pools(self, m: _ModelIn, key: str, pools: dict[str, PoolConfig]) -> tuple[str, ...]:
+        if m.pools is None:
+            return tuple(pools)
+        for index, name in enumerate(m.pools):
+            if name not in pools:
+                self.fail(
+                    f"{key}.pools[{index}]",
+                    f"unknown pool {name!r}",
+                    f"{_suggest(name, list(pools))}use a pool defined under pools: "
+                    f"{', '.join(pools)}",
+                )
+            if m.pools.index(name) != index:
+                self.fail(
+                    f"{key}.pools[{index}]", f"pool {name!r} is listed twice", "list each once"
+                )
+        return tuple(m.pools)
+
+    def _replicas(self, raw: Any, key: str, model_pools: tuple[str, ...]) -> dict[str, int]:
+        key = f"{key}.replicas"
+        fix = "give a count (e.g. 2, placed in the model's first pool) or {pool: count}"
+        if raw is None:
+            return {model_pools[0]: 1}
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            if raw < 0:
+                self.fail(key, f"{raw} replicas", "give 0 or more")
+            return {model_pools[0]: raw}
+        if not isinstance(raw, dict):
+            self.fail(key, f"expected a count or a mapping, got {_describe(raw)}", fix)
+        replicas: dict[str, int] = {}
+        for pool, count in raw.items():
+            pool_key = _sub(key, str(pool))
+            if pool not in model_pools:
+                self.fail(
+                    pool_key,
+                    f"pool {pool!r} is not one of this model's pools ({', '.join(model_pools)})",
+                    f"{_suggest(str(pool), model_pools)}use one of them, or add it to the "
+                    "model's pools",
+                )
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                self.fail(pool_key, f"expected a count, got {_describe(count)}", "give 0 or more")
+            replicas[pool] = count
+        return replicas
+
+    def _upstreams(self, m: _ModelIn, key: str) -> tuple[str, ...]:
+        if not m.upstreams:
+            self.fail(
+                f"{key}.upstreams",
+                "engine openai needs at least one upstream URL",
+                "add upstreams: [http://127.0.0.1:8001/v1] (OpenAI-compatible servers)",
+            )
+        raw = m.replicas
+        zero = raw is None or (raw == 0 and not isinstance(raw, bool))
+        if isinstance(raw, dict) and all(count == 0 for count in raw.values()):
+            zero = True
+        if not zero:
+            self.fail(
+                f"{key}.replicas",
+                "an openai model is served by its upstreams; tidegate starts no replica of it",
+                "remove replicas (or set it to 0)",
+            )
+        roots: list[str] = []
+        for index, url in enumerate(m.upstreams):
+            root = _url_root(url)
+            if root is None:
+                self.fail(
+                    f"{key}.upstreams[{index}]",
+                    f"{url!r} is not an http(s) URL with a host",
+                    "write it like http://127.0.0.1:8001/v1 (no query, fragment or credentials)",
+                )
+            if root in roots:
+                self.fail(
+                    f"{key}.upstreams[{index}]",
+                    f"{url!r} is the same server as upstreams[{roots.index(root)}]",
+                    "list each server once",
+                )
+            roots.append(root)
+        return tuple(roots)
+
+    def _queue(self, q: _QueueIn, key: str) -> QueueSpec:
+        for index_key, mapping in (
+            ("max_size_per_level", q.max_size_per_level),
+            ("timeout_s", q.timeout_s),
+        ):
+            for level in mapping:
+                self.level(level, _sub(f"{key}.{index_key}", level))
+        if q.holdback is None:
+            holdback = {level: v for level, v in DEFAULT_HOLDBACK.items() if level in self.levels}
+        else:
+            holdback = {}
+            for level, value in q.holdback.items():
+                level_key = _sub(f"{key}.holdback", level)
+                self.level(level, level_key)
+                if value is None:
+                    continue
+                if not 0.0 <= value <= 1.0:
+                    self.fail(
+                        level_key,
+                        f"holdback {value!r} is outside 0..1",
+                        f"give the saturation (0..1, e.g. 0.9) above which new {level} "
+                        "requests are refused, or null for never",
+                    )
+                holdback[level] = float(value)
+        ordered = {level: holdback[level] for level in self.levels if level in holdback}
+        return QueueSpec(
+            max_size=q.max_size,
+            max_size_per_level=MappingProxyType(
+                {lv: q.max_size_per_level[lv] for lv in self.levels if lv in q.max_size_per_level}
+            ),
+            timeout_s=MappingProxyType(
+                {lv: float(q.timeout_s[lv]) for lv in self.levels if lv in q.timeout_s}
+            ),
+            holdback=MappingProxyType(ordered),
+        )
+
+    def _path(self, value: str | None) -> str | None:
+        if value is None:
+            return None
+        path = Path(value).expanduser()
+        if self.base_dir is not None and not path.is_absolute():
+            path = self.base_dir / path
+        return str(path)
+
+    # ------------------------------------------------------------------ keys
+    def _keys(self, raw: list[_KeyIn], default: str) -> tuple[KeySpec, ...]:
+        keys: list[KeySpec] = []
+        names: dict[str, int] = {}
+        digests: dict[str, int] = {}
+        for index, key_in in enumerate(raw):
+            key = f"keys[{index}]"
+            if key_in.name in names:
+                self.fail(
+                    f"{key}.name",
+                    f"key name {key_in.name!r} is already used by keys[{names[key_in.name]}]",
+                    "give each key a unique name",
+                )
+            names[key_in.name] = index
+            digest = key_in.sha256.strip().lower()
+            if not _SHA256_RE.match(digest):
+                self.fail(
+                    f"{key}.sha256",
+                    f"not a sha256 hex digest ({len(digest)} characters; 64 hex digits expected)",
+                    'put the digest, not the key: printf %s "$KEY" | sha256sum '
+                    "(the 64 hex characters before the '-')",
+                )
+            if digest in digests:
+                self.fail(
+                    f"{key}.sha256",
+                    f"same digest as keys[{digests[digest]}]: both would be the same key",
+                    "give each key its own secret",
+                )
+            digests[digest] = index
+            max_priority = self.levels[0]
+            if key_in.max_priority is not None:
+                max_priority = self.level(key_in.max_priority, f"{key}.max_priority")
+            cap = self.levels.index(max_priority)
+            if key_in.default_priority is not None:
+                key_default = self.level(key_in.default_priority, f"{key}.default_priority")
+            else:  # the global default, lowered to the key's cap
+                key_default = self.levels[max(cap, self.levels.index(default))]
+            if self.levels.index(key_default) < cap:
+                self.fail(
+                    f"{key}.default_priority",
+                    f"default_priority {key_default!r} is more urgent than max_priority "
+                    f"{max_priority!r}",
+                    f"set default_priority to {max_priority!r} or a less urgent level, "
+                    "or raise max_priority",
+                )
+            keys.append(
+                KeySpec(
+                    name=key_in.name,
+                    sha256=digest,
+                    default_priority=key_default,
+                    max_priority=max_priority,
+                    default_level=0 if self.fifo else self.levels.index(key_default),
+                    max_level=0 if self.fifo else cap,
+                )
+            )
+        return tuple(keys)
+
+    def _gateway_notes(
+        self, gateway: GatewaySettings, keys: tuple[KeySpec, ...], models: dict[str, ModelSpec]
+    ) -> None:
+        host = gateway.host
+        if not keys and not (host.startswith("127.") or host in _LOOPBACK_HOSTS):
+            self.notes.append(
+                f"no keys: an open service on {host}, reachable from the network; "
+                "add keys or bind 127.0.0.1"
+            )
+        if self.fifo:
+            default_holdback = {lv: v for lv, v in DEFAULT_HOLDBACK.items() if lv in self.levels}
+            per_level = [
+                name
+                for name, model in models.items()
+                if model.queue.max_size_per_level
+                or model.queue.timeout_s
+                or dict(model.queue.holdback) != default_holdback
+            ]
+            if per_level:
+                self.notes.append(
+                    "policy fifo ignores the per-level queue settings (max_size_per_level, "
+                    f"timeout_s, holdback) of: {', '.join(per_level)}"
+                )

@@ -1,0 +1,91 @@
+"""What a config file may say: strict pydantic models (shape, not meaning)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidegate.config.values import _NAME_RE, DEFAULT_LEVELS
+
+# ----------------------------------------------------------------------------- raw schema
+# What the YAML may say. Sections given as null (``gateway:`` with nothing under it) mean
+# "all defaults". Checks that involve more than one field live in _Resolver.
+
+Name = Annotated[str, Field(pattern=_NAME_RE.pattern)]
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _GatewayIn(_Strict):
+    host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    policy: Literal["priority", "fifo"] = "priority"
+    shutdown_timeout_s: NonNegativeFloat = 10.0
+    max_request_bytes: PositiveInt = 4 * 1024 * 1024
+
+
+class _AgingIn(_Strict):
+    threshold_s: NonNegativeFloat = 30.0
+    rate_per_s: NonNegativeFloat = 0.5
+
+
+class _PrioritiesIn(_Strict):
+    levels: Annotated[list[Name], Field(min_length=1)] = Field(
+        default_factory=lambda: list(DEFAULT_LEVELS)
+    )
+    default: str | None = None
+    aging: _AgingIn | None = None
+
+
+class _PoolIn(_Strict):
+    priorities: Annotated[list[str], Field(min_length=1)] | None = None
+    devices: Annotated[list[str], Field(min_length=1)] = Field(default_factory=lambda: ["auto"])
+
+
+class _BatchingIn(_Strict):
+    max_batch_size: PositiveInt = 32
+    batch_window_ms: NonNegativeFloat = 5.0
+    max_batch_tokens: PositiveInt | None = None
+    max_num_seqs: PositiveInt = 16
+
+
+class _QueueIn(_Strict):
+    max_size: PositiveInt = 1000
+    max_size_per_level: dict[str, PositiveInt] = Field(default_factory=dict)
+    timeout_s: dict[str, PositiveFloat] = Field(default_factory=dict)
+    holdback: dict[str, float | None] | None = None  # None: DEFAULT_HOLDBACK
+
+
+class _ModelIn(_Strict):
+    name: Name
+    task: Literal["embeddings", "generate"] | None = None
+    engine: Literal["transformers", "simulated", "openai"] = "transformers"
+    model_path: str | None = None
+    profile: str | None = None
+    replicas: Any = None  # a count or {pool: count}: checked by _Resolver for a clear message
+    pools: Annotated[list[str], Field(min_length=1)] | None = None
+    upstreams: list[str] = Field(default_factory=list)
+    slots: PositiveInt | None = None
+    batching: _BatchingIn | None = None
+    queue: _QueueIn | None = None
+
+
+class _KeyIn(_Strict):
+    name: Name
+    sha256: str
+    default_priority: str | None = None
+    max_priority: str | None = None
+
+
+class _ConfigIn(_Strict):
+    gateway: _GatewayIn | None = None
+    priorities: _PrioritiesIn | None = None
+    pools: Annotated[dict[str, _PoolIn | None], Field(min_length=1)] | None = None
+    models: Annotated[list[_ModelIn], Field(min_length=1)] | None = None
+    keys: list[_KeyIn] | None = None

@@ -1,0 +1,254 @@
+"""Resolved configuration: frozen values, every default filled in, and the core types
+the gateway builds from them."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from tidegate.core.batching import BatchConfig
+from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
+from tidegate.core.routing import PoolSpec
+
+if TYPE_CHECKING:
+    from tidegate.worker.runtime import WorkerSettings
+
+EMBEDDED_SOURCE = "<embedded default>"
+DEFAULT_LEVELS = ("high", "medium", "low")
+DEFAULT_HOLDBACK: Mapping[str, float] = MappingProxyType({"medium": 0.9, "low": 0.7})
+DEFAULT_POOL = "shared"
+FIFO_LEVEL = "fifo"  # name of the single queue level under the fifo policy
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda:[0-9]+)$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_LOOPBACK_HOSTS = ("localhost", "::1")
+
+# ----------------------------------------------------------------------------- resolved values
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "priority"  # "priority" or "fifo"
+    shutdown_timeout_s: float = 10.0
+    max_request_bytes: int = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    name: str
+    priorities: tuple[str, ...]  # level names it serves, in level order
+    devices: tuple[str, ...]  # "auto", "cpu" or "cuda:N"; "auto" is resolved at start-up
+
+
+@dataclass(frozen=True, slots=True)
+class BatchingSpec:
+    max_batch_size: int = 32
+    batch_window_ms: float = 5.0
+    max_batch_tokens: int | None = None
+    max_num_seqs: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSpec:
+    max_size: int
+    max_size_per_level: Mapping[str, int]
+    timeout_s: Mapping[str, float]
+    holdback: Mapping[str, float]  # levels absent here are never held back
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    task: str  # "embeddings" or "generate"
+    engine: str  # "transformers", "simulated" or "openai"
+    model_path: str | None
+    profile: str | None
+    replicas: Mapping[str, int]  # pool -> replicas started there; empty for openai
+    pools: tuple[str, ...]  # pools its replicas may be placed in
+    upstreams: tuple[str, ...]  # root URLs (no trailing /v1) of OpenAI-compatible servers
+    slots: int | None  # in-flight requests per replica; None: ask the worker's /stats
+    batching: BatchingSpec
+    queue: QueueSpec
+
+    @property
+    def local(self) -> bool:
+        """Its replicas are worker processes tidegate starts (not static upstreams)."""
+        return self.engine != "openai"
+
+    @property
+    def upstream_pool(self) -> str:
+        """The pool that upstream replicas count as members of: the model's first pool."""
+        return self.pools[0]
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpec:
+    name: str
+    sha256: str  # lower-case hex digest of the key
+    default_priority: str
+    max_priority: str  # the most urgent level the key may ask for
+    default_level: int  # level indices as the queue sees them (all 0 under fifo)
+    max_level: int
+
+
+@dataclass(frozen=True, slots=True)
+class TidegateConfig:
+    source: str  # the file it came from, or EMBEDDED_SOURCE
+    gateway: GatewaySettings
+    levels: tuple[str, ...]  # configured level names, most urgent first
+    default_priority: str  # level of requests that name none (without a key's own default)
+    aging: AgingConfig
+    pools: Mapping[str, PoolConfig]
+    models: Mapping[str, ModelSpec]
+    keys: tuple[KeySpec, ...]  # empty: open service
+    notes: tuple[str, ...] = ()  # things worth knowing that are not errors
+
+    # ------------------------------------------------------------ priorities
+    @property
+    def policy(self) -> str:
+        return self.gateway.policy
+
+    @property
+    def fifo(self) -> bool:
+        return self.gateway.policy == "fifo"
+
+    @property
+    def open_service(self) -> bool:
+        return not self.keys
+
+    @property
+    def level_names(self) -> tuple[str, ...]:
+        """Names of the queue levels, index = level: the configured ones, or one under fifo."""
+        return (FIFO_LEVEL,) if self.fifo else self.levels
+
+    def level_index(self, name: str) -> int:
+        """The queue level of a configured level name (0 for every name under fifo).
+
+        ValueError names the valid ones.
+        """
+        for index, level in enumerate(self.levels):
+            if level == name:
+                return 0 if self.fifo else index
+        if self.fifo and name == FIFO_LEVEL:
+            return 0
+        raise ValueError(f"unknown priority {name!r}; expected one of: {', '.join(self.levels)}")
+
+    @property
+    def default_level(self) -> int:
+        return self.level_index(self.default_priority)
+
+    def parse_priority(self, value: str | int) -> int:
+        """A requested priority (``X-Priority`` or the body's ``priority``) as a queue level.
+
+        Accepts a level name (exact, else case-insensitive) or an integer index into
+        ``levels`` (0 = most urgent). ValueError says what is accepted. Capping by the key's
+        ``max_level`` is the caller's job (403 above the cap).
+        """
+        if isinstance(value, bool):
+            raise ValueError("priority must be a level name or an integer, not a boolean")
+        if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
+            index = int(value)
+            if not 0 <= index < len(self.levels):
+                raise ValueError(
+                    f"priority {index} is out of range; expected 0..{len(self.levels) - 1} "
+                    f"or one of: {', '.join(self.levels)}"
+                )
+            return 0 if self.fifo else index
+        name = value.strip()
+        if name not in self.levels:
+            folded = [level for level in self.levels if level.lower() == name.lower()]
+            if len(folded) == 1:
+                name = folded[0]
+        return self.level_index(name)
+
+    # ---------------------------------------------------------------- models
+    def model(self, name: str) -> ModelSpec:
+        try:
+            return self.models[name]
+        except KeyError:
+            known = ", ".join(self.models)
+            raise KeyError(f"unknown model {name!r}; configured: {known}") from None
+
+    def queue_config(self, model_name: str) -> QueueConfig:
+        """The gateway's wait queue of a model: levels with their limits, aging, total size.
+
+        Under fifo: one level, no aging, no holdback, no per-level limit or timeout.
+        """
+        queue = self.model(model_name).queue
+        if self.fifo:
+            return QueueConfig(
+                levels=(LevelSpec(FIFO_LEVEL),),
+                max_size=queue.max_size,
+                aging=AgingConfig(threshold_s=self.aging.threshold_s, rate_per_s=0.0),
+            )
+        levels = tuple(
+            LevelSpec(
+                name,
+                max_size=queue.max_size_per_level.get(name),
+                timeout_s=queue.timeout_s.get(name),
+                holdback_above=queue.holdback.get(name),
+            )
+            for name in self.levels
+        )
+        return QueueConfig(levels=levels, max_size=queue.max_size, aging=self.aging)
+
+    def batch_config(self, model_name: str) -> BatchConfig:
+        batching = self.model(model_name).batching
+        return BatchConfig(
+            max_batch_size=batching.max_batch_size,
+            max_batch_tokens=batching.max_batch_tokens,
+            batch_window_ms=batching.batch_window_ms,
+        )
+
+    def pool_specs(self) -> dict[str, PoolSpec]:
+        """Pools as the router sees them: the level indices each serves (all {0} under fifo)."""
+        return {
+            name: PoolSpec(name, frozenset(self.level_index(level) for level in pool.priorities))
+            for name, pool in self.pools.items()
+        }
+
+    def worker_settings(self, model_name: str, device: str = "cpu") -> WorkerSettings:
+        """Settings of one local replica of a model on ``device`` (cpu or cuda:N, not auto)."""
+        from tidegate.worker.runtime import WorkerSettings
+
+        model = self.model(model_name)
+        if not model.local:
+            raise ValueError(
+                f"model {model.name!r} is served by upstreams (engine openai): no local replicas"
+            )
+        if device == "auto" or not _DEVICE_RE.match(device):
+            raise ValueError(f"device must be cpu or cuda:N, got {device!r}")
+        return WorkerSettings(
+            model=model.name,
+            engine=model.engine,
+            model_path=model.model_path,
+            task=model.task,
+            device=device,
+            max_batch_size=model.batching.max_batch_size,
+            batch_window_ms=model.batching.batch_window_ms,
+            max_batch_tokens=model.batching.max_batch_tokens,
+            max_num_seqs=model.batching.max_num_seqs,
+            profile=model.profile,
+        )
+
+    # ------------------------------------------------------------------ keys
+    def key_for(self, api_key: str) -> KeySpec | None:
+        """The key whose digest matches ``api_key``, or None.
+
+        Compares digests with ``hmac.compare_digest`` and visits every key whatever
+        matches, so the time taken does not depend on which key (if any) matched.
+        """
+        digest = hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+        found: KeySpec | None = None
+        for key in self.keys:
+            if hmac.compare_digest(digest, key.sha256):
+                found = key
+        return found
