@@ -238,6 +238,10 @@ async def _proxy(gateway: Gateway, request: Request) -> Response:
         call.outcome = call.outcome or "cancelled"
         _count(gateway, call)
         raise
+    except Exception:  # a bug: the error handler answers 500; the outcome is still counted
+        call.outcome = "failed"
+        _count(gateway, call)
+        raise
     if call.outcome != "streaming":  # a stream counts its outcome when it ends
         _count(gateway, call)
     return response

@@ -64,6 +64,7 @@ class ModelDispatcher:
         self.level_names = [spec.name for spec in queue.levels]
         self._tickets: dict[str, Ticket] = {}
         self._wake = asyncio.Event()
+        self._timer_at: float | None = None  # the deadline the owner task sleeps until
         self._choices = itertools.count()
         self.closed: str | None = None  # why new requests are refused, once shutting down
 
@@ -104,8 +105,12 @@ class ModelDispatcher:
         ticket = Ticket(request)
         self._tickets[request.id] = ticket
         self._dispatch(now)
-        if decision.deadline_at is not None and request.id in self.queue:
-            self._wake.set()  # the owner task re-arms its timer for this deadline
+        if (
+            decision.deadline_at is not None
+            and request.id in self.queue
+            and (self._timer_at is None or decision.deadline_at < self._timer_at)
+        ):
+            self._wake.set()  # an earlier deadline than the armed timer: re-arm it
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
@@ -157,7 +162,7 @@ class ModelDispatcher:
                 )
             self._dispatch(now)
             self._wake.clear()
-            deadline_at = self.queue.next_deadline_at()
+            deadline_at = self._timer_at = self.queue.next_deadline_at()
             timeout = None if deadline_at is None else max(0.0, deadline_at - now)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
