@@ -17,7 +17,7 @@ $(VENV)/.installed-run: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[engine,dev]'
+	$(BIN)/pip install --quiet -e '.[engine,dev,ray]'
 	touch $@ $(VENV)/.installed-run
 
 run: $(VENV)/.installed-run
@@ -39,6 +39,9 @@ bench: $(VENV)/.installed-dev
 	$(BIN)/python benchmarks/bench_queue.py
 	$(BIN)/python benchmarks/bench_worker.py
 	$(BIN)/python benchmarks/bench_gateway.py
+	$(BIN)/python benchmarks/bench_sim.py
+	$(BIN)/python benchmarks/bench_sim_fidelity.py
+	$(BIN)/python benchmarks/bench_autoscale.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
