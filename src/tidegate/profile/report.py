@@ -1,0 +1,181 @@
+"""report.md: the measured tables, the choice in two sentences, and what to read with care.
+
+One table per sweep (batch | batch latency | throughput | p95 | memory | worker CPU ...),
+columns declared once in ``TABLES``; notes for unstable points, failed requests and the CPU
+other processes took while the points were measured (the noise of a shared machine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tidegate.engines.profile import MeasuredPoint
+from tidegate.profile.measure import config_label
+from tidegate.profile.outputs import RunRecord, host_facts
+from tidegate.profile.recommend import Recommendation, slo_text
+
+
+def report_markdown(
+    record: RunRecord, points: Sequence[MeasuredPoint], rec: Recommendation, png: bool
+) -> str:
+    o = record.options
+    host = host_facts()
+    status = "complete" if record.stopped is None else f"INCOMPLETE ({record.stopped})"
+    lines = [
+        f"# Capacity profile: {o.model} ({record.engine}, {o.device})",
+        "",
+        f"Measured {record.started_at} in {record.duration_s:.0f} s on {host['cpus']} CPUs "
+        f"({host['cpu_model']}), {host['platform']}; status: {status}.",
+        "",
+        f"Command: `{o.command}`",
+        "",
+        f"SLO: {slo_text(o.slo)}. Workload: {_workload_text(record.workload)}.",
+        "",
+        "## Choice",
+        "",
+        rec.summary,
+        "",
+    ]
+    for title, sweep, rows in _tables(points, record.task):
+        if rows:
+            lines += [f"## {title}", "", *rows, ""]
+            if sweep in record.climb_stops:
+                lines += [f"Stopped climbing: {record.climb_stops[sweep]}.", ""]
+    lines += _notes(points)
+    if png:
+        lines += ["![latency, throughput and memory curves](report.png)", ""]
+    return "\n".join(lines)
+
+
+def _workload_text(workload: dict[str, Any]) -> str:
+    inputs = workload.get("input_tokens", {})
+    text = f"{workload.get('source')}, mean input {inputs.get('mean')} tokens"
+    text += f" (p99 {inputs.get('p99')})"
+    outputs = workload.get("output_tokens", {})
+    if outputs.get("mean"):
+        text += f", mean output {outputs.get('mean')} tokens"
+    clipping = workload.get("clipping", {})
+    if clipping.get("num_clipped"):
+        text += (
+            f"; {clipping['num_clipped']} of {workload.get('num_samples')} requests clipped "
+            f"to what the model takes (inputs to {clipping.get('max_input_tokens')} tokens"
+        )
+        if clipping.get("max_output_tokens"):
+            text += f", outputs to {clipping['max_output_tokens']}"
+        text += f", both within a context of {clipping.get('context_tokens')})"
+    return text
+
+
+Column = tuple[str, Callable[[MeasuredPoint], str]]
+
+
+def _fixed(digits: int, get: Callable[[MeasuredPoint], float | None]) -> Callable[..., str]:
+    def show(point: MeasuredPoint) -> str:
+        value = get(point)
+        return "-" if value is None else f"{value:,.{digits}f}"
+
+    return show
+
+
+THROUGHPUT: Column = ("throughput req/s", _fixed(1, lambda p: p.throughput_rps))
+P50: Column = ("p50 ms", _fixed(1, lambda p: p.latency_p50_ms))
+P95: Column = ("p95 ms", _fixed(1, lambda p: p.latency_p95_ms))
+MEMORY: Column = ("memory MB", _fixed(0, lambda p: p.peak_memory_mb))
+CPU: Column = ("worker CPU (cores)", _fixed(2, lambda p: p.worker_cpu_cores))
+MEAN_BATCH: Column = ("mean batch", _fixed(1, lambda p: p.mean_batch_size))
+IN_FLIGHT: Column = ("in flight", lambda p: str(p.concurrency))
+
+TABLES: dict[str, dict[str, tuple[str, list[Column]]]] = {
+    "embeddings": {
+        "batch": (
+            "Batch sweep",
+            [
+                ("batch", lambda p: str(p.batch_size)),
+                ("batch latency ms", _fixed(1, lambda p: p.batch_latency_ms)),
+                THROUGHPUT,
+                P95,
+                MEMORY,
+                CPU,
+                MEAN_BATCH,
+                IN_FLIGHT,
+            ],
+        ),
+        "window": (
+            "Batch window",
+            [
+                ("window ms", lambda p: f"{p.batch_window_ms:g}"),
+                MEAN_BATCH,
+                THROUGHPUT,
+                P50,
+                P95,
+                CPU,
+            ],
+        ),
+        "concurrency": (
+            "Concurrency sweep",
+            [
+                IN_FLIGHT,
+                THROUGHPUT,
+                P50,
+                P95,
+                ("p99 ms", _fixed(1, lambda p: p.latency_p99_ms)),
+                MEAN_BATCH,
+                MEMORY,
+                CPU,
+            ],
+        ),
+    },
+    "generate": {
+        "concurrency": (
+            "Concurrency sweep",
+            [
+                IN_FLIGHT,
+                THROUGHPUT,
+                ("output tokens/s", _fixed(0, lambda p: p.tokens_per_s)),
+                ("TTFT p50 ms", _fixed(1, lambda p: p.ttft_p50_ms)),
+                ("TTFT p95 ms", _fixed(1, lambda p: p.ttft_p95_ms)),
+                ("ITL p50 ms", _fixed(2, lambda p: p.itl_p50_ms)),
+                ("ITL p95 ms", _fixed(2, lambda p: p.itl_p95_ms)),
+                MEMORY,
+                CPU,
+            ],
+        ),
+    },
+}
+
+
+def _tables(points: Sequence[MeasuredPoint], task: str) -> list[tuple[str, str, list[str]]]:
+    tables = []
+    for sweep, (title, columns) in TABLES[task].items():
+        rows = [
+            "| " + " | ".join(show(p) for _, show in columns) + " |"
+            for p in points
+            if p.sweep == sweep
+        ]
+        header = "| " + " | ".join(name for name, _ in columns) + " |"
+        rule = "|" + "---:|" * len(columns)
+        tables.append((title, sweep, [header, rule, *rows] if rows else []))
+    return tables
+
+
+def _notes(points: Sequence[MeasuredPoint]) -> list[str]:
+    notes = []
+    unstable = [p for p in points if not p.stable]
+    if unstable:
+        labels = "; ".join(
+            f"{p.sweep} sweep: {config_label(p.batch_size, p.batch_window_ms, p.concurrency)}"
+            for p in unstable
+        )
+        notes.append(f"- Not stable within the time allowed (kept, read with care): {labels}.")
+    failed = [p for p in points if p.num_errors]
+    if failed:
+        total = sum(p.num_errors for p in failed)
+        notes.append(f"- {total} requests failed across {len(failed)} points.")
+    others = [p.other_cpu_cores for p in points if p.other_cpu_cores is not None]
+    if others:
+        notes.append(
+            f"- Other processes used up to {max(others):.2f} CPU cores during the windows "
+            "(noise on a shared machine); the load generator's own CPU is in profile.json."
+        )
+    return ["## Notes", "", *notes, ""] if notes else []
