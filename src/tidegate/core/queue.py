@@ -26,6 +26,11 @@ from dataclasses import dataclass
 
 from tidegate.core.request import Request, RequestState
 
+_STATES = tuple(RequestState)
+_STATE_INDEX = {state: index for index, state in enumerate(_STATES)}
+_QUEUED = _STATE_INDEX[RequestState.QUEUED]
+_DISPATCHED = _STATE_INDEX[RequestState.DISPATCHED]
+
 # Compact a FIFO once it holds this many more dead entries than live ones.
 _COMPACT_SLACK = 64
 
@@ -153,7 +158,9 @@ class WaitQueue:
         self._deadlines: list[tuple[float, int, _Entry]] = []  # heap, lazy deletion
         self._num_tokens = 0
         self._seq = 0
-        self._outcomes: dict[tuple[int, RequestState], int] = {}
+        # Counts per level and state (indices of _STATES): a list, since hashing an Enum
+        # member on every admission and pick is a measurable share of the simulator's time.
+        self._tally = [[0] * len(_STATES) for _ in range(num_levels)]
         self.drain = DrainRate(self.config.drain_window_s, self.config.min_drain_samples)
 
     # ----------------------------------------------------------------- views
@@ -180,7 +187,12 @@ class WaitQueue:
 
     def outcome_counts(self) -> dict[tuple[int, RequestState], int]:
         """How many requests of each level this queue sent to each state, since creation."""
-        return dict(self._outcomes)
+        return {
+            (level, _STATES[index]): count
+            for level, counts in enumerate(self._tally)
+            for index, count in enumerate(counts)
+            if count
+        }
 
     def oldest_arrival_at(self) -> float | None:
         fronts = [self._front(level) for level in range(len(self._fifos))]
@@ -227,20 +239,21 @@ class WaitQueue:
                 f"priority {spec.name} is held back at saturation {saturation:.2f} "
                 f"(limit {spec.holdback_above:.2f})",
             )
-        wait_s = self.predicted_wait_s(level, now)
-        if deadline_at is not None and wait_s is not None and now + wait_s > deadline_at:
-            return self._reject(
-                request,
-                RequestState.REJECTED_DEADLINE,
-                wait_s,
-                f"predicted queue wait {wait_s:.1f}s exceeds the deadline "
-                f"({max(0.0, deadline_at - now):.1f}s away)",
-            )
+        if deadline_at is not None:  # the prediction costs a drain-rate update: only if used
+            wait_s = self.predicted_wait_s(level, now)
+            if wait_s is not None and now + wait_s > deadline_at:
+                return self._reject(
+                    request,
+                    RequestState.REJECTED_DEADLINE,
+                    wait_s,
+                    f"predicted queue wait {wait_s:.1f}s exceeds the deadline "
+                    f"({max(0.0, deadline_at - now):.1f}s away)",
+                )
         if spec.max_size is not None and self._depths[level] >= spec.max_size:
             return self._reject(
                 request,
                 RequestState.REJECTED_FULL,
-                wait_s,
+                self.predicted_wait_s(level, now),
                 f"queue for priority {spec.name} is full ({spec.max_size})",
             )
         shed: tuple[Request, ...] = ()
@@ -250,12 +263,12 @@ class WaitQueue:
                 return self._reject(
                     request,
                     RequestState.REJECTED_FULL,
-                    wait_s,
+                    self.predicted_wait_s(level, now),
                     f"queue is full ({self.config.max_size}) with nothing less urgent to shed",
                 )
             shed = (victim,)
         self._insert(request, deadline_at)
-        self._count(level, RequestState.QUEUED)
+        self._tally[level][_QUEUED] += 1
         return Admitted(request, deadline_at, shed)
 
     def requeue(self, request: Request, now: float) -> None:
@@ -270,7 +283,7 @@ class WaitQueue:
         spec = self.config.levels[level]
         deadline_at = _earliest(request.deadline_at, spec.timeout_s, request.arrival_at)
         self._insert(request, deadline_at)
-        self._count(level, RequestState.QUEUED)
+        self._tally[level][_QUEUED] += 1
 
     # ------------------------------------------------------------- removal
     def peek(
@@ -300,7 +313,7 @@ class WaitQueue:
         chosen = self._select(n, now, max_tokens, levels)
         for entry in chosen:
             self._remove(entry)
-            self._count(entry.request.priority, RequestState.DISPATCHED)
+            self._tally[entry.request.priority][_DISPATCHED] += 1
         # Picked entries were at the fronts of their FIFOs: drop them now, so dead entries
         # never pile up where every later pick would have to step over them.
         for level in {entry.request.priority for entry in chosen}:
@@ -343,8 +356,7 @@ class WaitQueue:
         return Rejected(request, reason, retry_after_s, message)
 
     def _count(self, level: int, state: RequestState) -> None:
-        key = (level, state)
-        self._outcomes[key] = self._outcomes.get(key, 0) + 1
+        self._tally[level][_STATE_INDEX[state]] += 1
 
     def _insert(self, request: Request, deadline_at: float | None) -> None:
         entry = _Entry(request, deadline_at, self._seq)
@@ -409,6 +421,8 @@ class WaitQueue:
         Each candidate is (key, level, entry, cursor); keys are unique (seq), so ``min``
         never compares past the key.
         """
+        if n == 1:
+            return self._select_one(now, levels)
         wanted = range(len(self._fifos)) if levels is None else sorted(set(levels))
         heads: list[tuple[tuple[float, float, int], int, _Entry, Iterator[_Entry]]] = []
         for level in wanted:
@@ -435,6 +449,25 @@ class WaitQueue:
             else:
                 heads[index] = self._candidate(following, best[3], now)
         return chosen
+
+    def _select_one(self, now: float, levels: Iterable[int] | None) -> list[_Entry]:
+        """``_select`` for one pick (the dispatcher's case): the best of the level heads."""
+        aging = self.config.aging
+        best: _Entry | None = None
+        best_key: tuple[float, float, int] | None = None
+        for level in range(len(self._fifos)) if levels is None else levels:
+            head = self._front(level)
+            if head is None:
+                continue
+            request = head.request
+            key = (
+                effective_priority(request.priority, request.arrival_at, now, aging),
+                request.arrival_at,
+                head.seq,
+            )
+            if best_key is None or key < best_key:
+                best, best_key = head, key
+        return [] if best is None else [best]
 
     def _candidate(
         self, entry: _Entry, cursor: Iterator[_Entry], now: float
