@@ -1,0 +1,202 @@
+"""The gateway of one model in virtual time: ``ModelDispatcher``'s decisions, by the core.
+
+Mirrors ``tidegate.gateway.dispatcher`` step by step, with the kernel's clock:
+
+- submit: 503 ``unavailable`` when no replica is ready (unless ``on_demand`` is set: a
+  controller that scales from zero, as the dispatcher's hook); else ``WaitQueue.admit`` with the
+  saturation ``len(queue) / max_size`` (graded holdback, predicted-wait deadline check,
+  capacity and shedding are the core's); shed victims end as ``shed``;
+- deadlines: one timer at ``WaitQueue.next_deadline_at()``, re-armed only for an earlier
+  deadline, firing ``expire`` then a dispatch, as the dispatcher's owner task does;
+- dispatch (flow control and routing): pop the most urgent request among
+  ``servable_levels``, route it with ``pick_replica``; a replica holds at most ``slots``;
+- release: a finished request frees its slot and feeds the queue's ``DrainRate``.
+
+One difference of form, not of decision: where several slots are free, the requests are
+popped together (``pop(n)``) when ``n`` successive single pops could not see a different
+set of servable levels (each pool with a free slot has at least ``n``), since with the
+same ``now`` the queue returns the same requests in the same order either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
+from tidegate.core.request import Request
+from tidegate.core.routing import PoolSpec, ReplicaView, pick_replica, servable_levels
+from tidegate.sim.kernel import Kernel
+from tidegate.sim.recorder import Recorder
+
+
+class Ticket:
+    """One request on its way through the simulated stack."""
+
+    __slots__ = (
+        "dispatched_at",
+        "first_at",
+        "klass",
+        "output_tokens",
+        "prompt_tokens",
+        "replica",
+        "request",
+    )
+
+    def __init__(self, request: Request, klass: int, prompt_tokens: int, output_tokens: int):
+        self.request = request  # as the gateway's queue knows it
+        self.klass = klass  # index of its priority class in the recorder
+        self.prompt_tokens = prompt_tokens
+        self.output_tokens = output_tokens
+        self.dispatched_at = 0.0
+        self.first_at = -1.0  # generation: when the first token came back
+        self.replica: str = ""
+
+
+class Replicas(Protocol):
+    """What the gateway needs of the fleet: views in a stable order, and sending."""
+
+    views: dict[str, ReplicaView]  # every live replica, in the order they were added
+    num_ready: int
+
+    def occupy(self, replica_id: str, ticket: Ticket) -> None:
+        """One more in flight on ``replica_id``: update its view and send ``ticket`` there."""
+
+    def free(self, replica_id: str, count: int) -> None:
+        """``count`` fewer in flight on ``replica_id``."""
+
+
+class SimGateway:
+    def __init__(
+        self,
+        kernel: Kernel,
+        queue: QueueConfig,
+        pools: Mapping[str, PoolSpec],
+        replicas: Replicas,
+        recorder: Recorder,
+    ) -> None:
+        self.kernel = kernel
+        self.queue = WaitQueue(queue)
+        self.pools = pools
+        self.replicas = replicas
+        self.recorder = recorder
+        self.tickets: dict[str, Ticket] = {}  # queued ones
+        self._max_size = queue.max_size
+        self._timer_at: float | None = None  # the deadline the owner task sleeps until
+        self._timer_version = 0
+        # Set for a controller that scales from zero (as the dispatcher's ``on_demand``):
+        # with no replica ready, requests wait in the queue and the controller hears of it.
+        self.on_demand: Callable[[], None] | None = None
+        self._choices = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, ticket: Ticket) -> None:
+        now = self.kernel.time
+        request = ticket.request
+        if not self.replicas.num_ready and not self._cold_starting():
+            self.recorder.ended(ticket.klass, "unavailable", request.id, now, None)
+            return
+        queue = self.queue
+        decision = queue.admit(request, now, len(queue) / self._max_size)
+        if isinstance(decision, Rejected):
+            self.recorder.ended(ticket.klass, decision.reason.value, request.id, now, None)
+            return
+        for victim in decision.shed:
+            shed = self.tickets.pop(victim.id)
+            self.recorder.ended(shed.klass, "shed", victim.id, now, now - victim.arrival_at)
+        self.tickets[request.id] = ticket
+        self.dispatch(now)
+        deadline_at = decision.deadline_at
+        if (
+            deadline_at is not None
+            and request.id in queue
+            and (self._timer_at is None or deadline_at < self._timer_at)
+        ):
+            self._arm(deadline_at)
+
+    def _cold_starting(self) -> bool:
+        if self.on_demand is None:
+            return False
+        self.on_demand()
+        return True
+
+    def release(self, replica_id: str, count: int, completed: bool) -> None:
+        """``count`` requests on ``replica_id`` finished now: free their slots, dispatch."""
+        self.replicas.free(replica_id, count)
+        if completed:
+            self.queue.drain.record(self.kernel.time, count)
+        self.dispatch(self.kernel.time)
+
+    def retry(self, tickets: Sequence[Ticket], replica_id: str) -> None:
+        """Dispatched requests that had not started go back in front of their levels."""
+        now = self.kernel.time
+        self.replicas.free(replica_id, len(tickets))
+        for ticket in tickets:
+            request = dataclasses.replace(ticket.request, attempt=ticket.request.attempt + 1)
+            ticket.request = request
+            self.queue.requeue(request, now)
+            self.tickets[request.id] = ticket
+        self.dispatch(now)
+
+    # ------------------------------------------------------------------ timers
+    def _arm(self, at: float) -> None:
+        """One live timer: a new one supersedes the one pending (its event is ignored)."""
+        self._timer_at = at
+        self._timer_version += 1
+        self.kernel.at(at, self._on_timer, self._timer_version)
+
+    def _on_timer(self, version: int) -> None:
+        if version == self._timer_version:
+            self.wake()
+
+    def wake(self) -> None:
+        """What the dispatcher's owner task does when woken: expire, dispatch, re-arm."""
+        now = self.kernel.time
+        for request in self.queue.expire(now):
+            ticket = self.tickets.pop(request.id)
+            self.recorder.ended(ticket.klass, "expired", request.id, now, now - request.arrival_at)
+        self.dispatch(now)
+        deadline_at = self.queue.next_deadline_at()
+        if deadline_at is None:
+            self._timer_at = None
+            self._timer_version += 1
+        else:
+            self._arm(deadline_at)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, now: float) -> None:
+        queue = self.queue
+        if not len(queue):
+            return
+        views = self.replicas.views
+        pools = self.pools
+        tickets = self.tickets
+        occupy = self.replicas.occupy
+        choices = self._choices
+        while len(queue):
+            levels = servable_levels(views.values(), pools)
+            if not levels:
+                return
+            batch = self._safe_batch() if len(queue) > 1 else 1
+            popped = queue.pop(batch, now, levels=levels)
+            if not popped:
+                return
+            for request in popped:
+                view = pick_replica(
+                    views.values(), request.priority, pools, choice_key=next(choices)
+                )
+                assert view is not None  # a servable level has an eligible replica
+                ticket = tickets.pop(request.id)
+                ticket.dispatched_at = now
+                ticket.replica = view.id
+                occupy(view.id, ticket)
+
+    def _safe_batch(self) -> int:
+        """How many pops in a row cannot change the servable levels (module docstring)."""
+        free: dict[str, int] = {}
+        for view in self.replicas.views.values():
+            if view.ready and view.in_flight < view.slots:
+                free[view.pool] = free.get(view.pool, 0) + view.slots - view.in_flight
+        return min(free.values()) if free else 1

@@ -1,0 +1,272 @@
+"""A replica's worker in virtual time: ``tidegate.worker.scheduling``'s loops, by the core.
+
+- ``BatchWorker`` mirrors ``EmbeddingBatcher`` (dynamic batching): requests wait in the
+  worker's own ``WaitQueue`` (levels high/medium/low, as the worker's); when the engine is
+  idle it asks ``plan_batch`` over ``peek(max_batch_size + 1)``, pops the released batch
+  (``pop(n, now, max_batch_tokens)``) and runs it for ``batch_s(n, tokens)``; a
+  ``WaitUntil`` becomes a timer. After a batch the loop plans again at once, before the
+  gateway hears of the completions (they travel back over HTTP in the real stack).
+- ``SequenceWorker`` mirrors ``SequenceScheduler`` (continuous batching): a sequence waits
+  in the queue until one of ``max_num_seqs`` slots is free, most urgent first; the engine
+  runs iterations: each step every running sequence makes one token and the sequences that
+  joined since the last step are prefilled; a finished sequence leaves at the end of its
+  step and frees its slot at once.
+
+The engine is not stepped token by token: between two changes of its running set every
+step lasts the same, so one event covers a whole run of steps, up to the first sequence to
+finish; a sequence that joins meanwhile cuts that run at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Protocol
+
+from tidegate.core.batching import BatchConfig, BatchView, Release, plan_batch
+from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
+from tidegate.core.request import Request
+from tidegate.sim.gateway import Ticket
+from tidegate.sim.kernel import Kernel
+from tidegate.sim.recorder import Recorder
+from tidegate.sim.service import BatchService, StepService
+
+
+class Sink(Protocol):
+    """Where a worker reports: first tokens and finished requests."""
+
+    def first_token(self, ticket: Ticket) -> None: ...
+
+    def done(self, replica_id: str, tickets: list[Ticket]) -> None: ...
+
+    def refused(self, replica_id: str, ticket: Ticket) -> None: ...
+
+
+class Worker(Protocol):
+    def submit(self, ticket: Ticket) -> None: ...
+
+    def take_waiting(self) -> list[Ticket]:
+        """Remove and return what has not started (a drain hands it back)."""
+
+    def take_running(self) -> list[Ticket]:
+        """Stop the engine and return what it was running (a drain that timed out)."""
+
+
+def worker_level(level: int, num_worker_levels: int) -> int:
+    """The gateway forwards ``X-Tidegate-Priority`` = its level, capped to the worker's."""
+    return min(level, num_worker_levels - 1)
+
+
+class _LocalQueue:
+    """The worker's own WaitQueue: what both workers share."""
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        replica_id: str,
+        model: str,
+        queue: QueueConfig,
+        sink: Sink,
+        recorder: Recorder,
+    ) -> None:
+        self.kernel = kernel
+        self.replica_id = replica_id
+        self.model = model
+        self.queue = WaitQueue(queue)
+        self.sink = sink
+        self.recorder = recorder
+        self.tickets: dict[str, Ticket] = {}  # waiting in the queue
+        self._levels = len(queue.levels)
+        self._version = 0  # bumped when the engine's work is abandoned (drain timeout)
+
+    def _admit(self, ticket: Ticket, cost_tokens: int, now: float) -> bool:
+        """Queue ``ticket`` here as the worker does on receipt; False if refused."""
+        request = ticket.request
+        level = worker_level(request.priority, self._levels)
+        local = Request(request.id, self.model, level, now, None, cost_tokens)
+        if isinstance(self.queue.admit(local, now), Rejected):
+            self.sink.refused(self.replica_id, ticket)
+            return False
+        self.tickets[request.id] = ticket
+        return True
+
+    def take_waiting(self) -> list[Ticket]:
+        now = self.kernel.time
+        return [self.tickets.pop(r.id) for r in self.queue.pop(len(self.queue) or 1, now)]
+
+
+class BatchWorker(_LocalQueue):
+    def __init__(
+        self,
+        kernel: Kernel,
+        replica_id: str,
+        model: str,
+        service: BatchService,
+        batch: BatchConfig,
+        queue: QueueConfig,
+        sink: Sink,
+        recorder: Recorder,
+    ) -> None:
+        super().__init__(kernel, replica_id, model, queue, sink, recorder)
+        self.service = service
+        self.batch = batch
+        self.running: tuple[Request, ...] = ()
+        self._peek = batch.max_batch_size + 1
+        self._timer_at: float | None = None
+
+    def submit(self, ticket: Ticket) -> None:
+        now = self.kernel.time
+        if self._admit(ticket, ticket.prompt_tokens, now) and not self.running:
+            self._plan(now)
+
+    def _plan(self, now: float) -> None:
+        queue = self.queue
+        plan = plan_batch(BatchView(queue.peek(self._peek, now), len(queue)), self.batch, now)
+        if isinstance(plan, Release):
+            batch = queue.pop(len(plan.batch), now, self.batch.max_batch_tokens)
+            self.running = batch
+            self.recorder.batch_sizes[len(batch)] += 1
+            tokens = 0
+            for request in batch:
+                tokens += request.cost_tokens
+            self.kernel.at(
+                now + self.service.batch_s(len(batch), tokens), self._done, self._version
+            )
+        elif plan.at is not None and plan.at != self._timer_at:
+            self._timer_at = plan.at
+            self.kernel.at(plan.at, self._on_timer, plan.at)
+
+    def _on_timer(self, at: float) -> None:
+        if at != self._timer_at:
+            return  # a later plan replaced this window
+        self._timer_at = None
+        if not self.running:
+            self._plan(self.kernel.time)
+
+    def _done(self, version: int) -> None:
+        if version != self._version:
+            return
+        tickets = [self.tickets.pop(request.id) for request in self.running]
+        self.running = ()
+        self._plan(self.kernel.time)
+        self.sink.done(self.replica_id, tickets)
+
+    def take_running(self) -> list[Ticket]:
+        self._version += 1
+        tickets = [self.tickets.pop(request.id) for request in self.running]
+        self.running = ()
+        return tickets
+
+
+class SequenceWorker(_LocalQueue):
+    def __init__(
+        self,
+        kernel: Kernel,
+        replica_id: str,
+        model: str,
+        service: StepService,
+        max_num_seqs: int,
+        queue: QueueConfig,
+        sink: Sink,
+        recorder: Recorder,
+    ) -> None:
+        super().__init__(kernel, replica_id, model, queue, sink, recorder)
+        self.service = service
+        self.max_num_seqs = max_num_seqs
+        self.num_running = 0  # slots granted: joining + prefilling + decoding
+        self.joining: list[Ticket] = []  # granted; enter the engine at the next step
+        self.prefilling: list[Ticket] = []  # prefilled by the current step
+        self.decoding: list[tuple[int, int, Ticket]] = []  # heap of (last step, order, ticket)
+        self._order = 0
+        self.step_index = 0  # steps completed when the current run of steps began
+        self.run_at = 0.0  # when the current run of steps began
+        self.step_s = 0.0  # how long each of its steps lasts
+        self.boundary_at: float | None = None  # end of the run (None: the engine is idle)
+        self.boundary_step = 0
+
+    def submit(self, ticket: Ticket) -> None:
+        now = self.kernel.time
+        cost = ticket.prompt_tokens + ticket.output_tokens
+        if self._admit(ticket, cost, now) and self._fill_slots(now):
+            self._wake_engine(now)
+
+    def _fill_slots(self, now: float) -> bool:
+        """Grant free slots to the most urgent waiting sequences; True if any joined."""
+        free = self.max_num_seqs - self.num_running
+        if free <= 0 or not len(self.queue):
+            return False
+        granted = self.queue.pop(free, now)
+        for request in granted:
+            self.joining.append(self.tickets.pop(request.id))
+        self.num_running += len(granted)
+        return True
+
+    def _wake_engine(self, now: float) -> None:
+        if self.boundary_at is None:
+            self._start_run(now)
+            return
+        if self.prefilling or self.step_s <= 0:
+            return  # a one-step run: the joiners enter when it ends
+        elapsed = int((now - self.run_at) / self.step_s)
+        step = self.step_index + elapsed + 1
+        if step < self.boundary_step:
+            self._schedule(max(now, self.run_at + (elapsed + 1) * self.step_s), step)
+
+    def _start_run(self, now: float) -> None:
+        joiners = self.joining
+        self.joining = []
+        self.prefilling = joiners
+        num_decode = len(self.decoding)
+        if not joiners and not num_decode:
+            self.boundary_at = None
+            return
+        tokens = 0
+        for ticket in joiners:
+            tokens += ticket.prompt_tokens
+        self.run_at = now
+        self.step_s = self.service.step_s(num_decode, len(joiners), tokens)
+        steps = 1 if joiners else self.decoding[0][0] - self.step_index
+        self._schedule(now + steps * self.step_s, self.step_index + steps)
+
+    def _schedule(self, at: float, step: int) -> None:
+        self._version += 1
+        self.boundary_at = at
+        self.boundary_step = step
+        self.kernel.at(at, self._on_boundary, self._version)
+
+    def _on_boundary(self, version: int) -> None:
+        if version != self._version:
+            return
+        now = self.kernel.time
+        step = self.boundary_step
+        self.recorder.batch_sizes[len(self.decoding) + len(self.prefilling)] += (
+            step - self.step_index
+        )
+        self.step_index = step
+        done: list[Ticket] = []
+        for ticket in self.prefilling:
+            self.sink.first_token(ticket)
+            if ticket.output_tokens <= 1:
+                done.append(ticket)
+            else:
+                self._order += 1
+                heapq.heappush(
+                    self.decoding, (step - 1 + ticket.output_tokens, self._order, ticket)
+                )
+        self.prefilling = []
+        decoding = self.decoding
+        while decoding and decoding[0][0] <= step:
+            done.append(heapq.heappop(decoding)[2])
+        if done:
+            self.num_running -= len(done)
+            self._fill_slots(now)
+        self._start_run(now)
+        if done:
+            self.sink.done(self.replica_id, done)
+
+    def take_running(self) -> list[Ticket]:
+        self._version += 1
+        running = self.joining + self.prefilling + [entry[2] for entry in self.decoding]
+        self.joining, self.prefilling, self.decoding = [], [], []
+        self.num_running = 0
+        self.boundary_at = None
+        return running
