@@ -6,6 +6,7 @@ import difflib
 import re
 import types
 import typing
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ValidationError
@@ -42,8 +43,13 @@ _BOUNDS = {
 
 
 def _from_validation_error(exc: ValidationError, source: str) -> ConfigError:
-    """The first pydantic error as a ConfigError with a dotted key and a fix."""
-    error = exc.errors()[0]
+    """The first pydantic error as a ConfigError with a dotted key and a fix.
+
+    An unknown key goes first: a typo (``period`` for ``period_s``) also makes the real key
+    missing, and "did you mean" is the better answer.
+    """
+    errors = exc.errors()
+    error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = tuple(part for part in error["loc"] if part != "[key]")
     key = _dotted(loc) or "(top level)"
     kind = error["type"]
@@ -53,8 +59,7 @@ def _from_validation_error(exc: ValidationError, source: str) -> ConfigError:
         name = str(loc[-1]) if loc else "?"
         valid = _fields_at(loc[:-1])
         where = _dotted(loc[:-1]) or "the top level"
-        match = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-        hint = f"did you mean {match[0]!r}? " if match else "remove it; "
+        hint = suggest(name, valid) or "remove it; "
         return ConfigError(
             source, key, f"unknown key {name!r}", f"{hint}{where} accepts: {', '.join(valid)}"
         )
@@ -66,8 +71,7 @@ def _from_validation_error(exc: ValidationError, source: str) -> ConfigError:
         return ConfigError(source, key, f"expected {expected}, got {_describe(value)}", fix)
     if kind == "literal_error":
         options = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
-        match = difflib.get_close_matches(str(value), options, n=1, cutoff=0.5)
-        hint = f"did you mean {match[0]!r}? " if match else ""
+        hint = suggest(str(value), options, cutoff=0.5)
         return ConfigError(
             source,
             key,
@@ -95,6 +99,12 @@ def _from_validation_error(exc: ValidationError, source: str) -> ConfigError:
             "use only letters, digits, '.', '_' and '-'",
         )
     return ConfigError(source, key, error["msg"], "see docs/config.md for what this key accepts")
+
+
+def suggest(word: str, options: Iterable[str], cutoff: float = 0.6) -> str:
+    """``"did you mean 'x'? "`` for the option nearest to ``word``, else ``""``."""
+    match = difflib.get_close_matches(word, list(options), n=1, cutoff=cutoff)
+    return f"did you mean {match[0]!r}? " if match else ""
 
 
 def _dotted(loc: tuple[int | str, ...]) -> str:
@@ -135,9 +145,10 @@ def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
     for part in loc:
         tp = _unwrap(tp)
         if isinstance(tp, type) and issubclass(tp, BaseModel):
-            if not isinstance(part, str) or part not in tp.model_fields:
+            fields = _by_key(tp)
+            if not isinstance(part, str) or part not in fields:
                 return []
-            tp = tp.model_fields[part].annotation
+            tp = fields[part]
         elif typing.get_origin(tp) is list:
             tp = typing.get_args(tp)[0]
         elif typing.get_origin(tp) is dict:
@@ -146,8 +157,13 @@ def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
             return []
     tp = _unwrap(tp)
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return list(tp.model_fields)
+        return list(_by_key(tp))
     return []
+
+
+def _by_key(model: type[BaseModel]) -> dict[str, Any]:
+    """The annotation of each field under the key a file writes (its alias: ``from``)."""
+    return {field.alias or name: field.annotation for name, field in model.model_fields.items()}
 
 
 def _describe(value: Any) -> str:

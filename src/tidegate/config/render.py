@@ -6,6 +6,7 @@ from typing import Any
 
 import yaml
 
+from tidegate.config.control import render_autoscaling, render_controller
 from tidegate.config.values import ModelSpec, TidegateConfig
 
 
@@ -31,9 +32,18 @@ def render_config(config: TidegateConfig) -> str:
             },
         },
         "pools": {
-            name: {"priorities": list(pool.priorities), "devices": list(pool.devices)}
+            name: {
+                "priorities": list(pool.priorities),
+                "devices": list(pool.devices),
+                "placement": pool.placement,
+            }
             for name, pool in config.pools.items()
         },
+        "devices": [
+            {"id": device.id, "memory_mb": device.memory_mb, "node": device.node}
+            for device in config.devices
+        ],
+        "controller": render_controller(config.controller),
         "models": [_render_model(model) for model in config.models.values()],
         "keys": [
             {
@@ -92,4 +102,11 @@ def _render_model(model: ModelSpec) -> dict[str, Any]:
         "timeout_s": dict(model.queue.timeout_s),
         "holdback": dict(model.queue.holdback),
     }
+    out["gpu"] = "exclusive" if model.exclusive else "shared"
+    out["memory_mb"] = model.memory_mb
+    out["drain_timeout_s"] = model.drain_timeout_s
+    out["probe_max_ms"] = model.probe_max_ms
+    out["autoscaling"] = (
+        None if model.autoscaling is None else render_autoscaling(model.autoscaling)
+    )
     return out

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
-from tidegate.config.diagnostics import _describe, _sub
+from tidegate.config.control import ControlResolver
+from tidegate.config.diagnostics import _describe, _sub, suggest
 from tidegate.config.schema import (
     _AgingIn,
     _BatchingIn,
@@ -36,16 +36,12 @@ from tidegate.config.values import (
     QueueSpec,
     TidegateConfig,
 )
+from tidegate.core.placement import Device
 from tidegate.core.queue import AgingConfig
 from tidegate.engines.registry import KNOWN_MODELS
 from tidegate.errors import ConfigError
 
 # ----------------------------------------------------------------------------- cross-field
-
-
-def _suggest(word: str, options: list[str] | tuple[str, ...]) -> str:
-    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f"did you mean {match[0]!r}? " if match else ""
 
 
 def _url_root(url: str) -> str | None:
@@ -76,6 +72,8 @@ class _Resolver:
         self.levels: tuple[str, ...] = DEFAULT_LEVELS
         self.fifo = False
         self.notes: list[str] = []
+        self.control = ControlResolver(source, self.notes)  # devices, GPU asks, autoscaling
+        self.inventory: tuple[Device, ...] = ()
 
     def fail(self, key: str, problem: str, fix: str) -> NoReturn:
         raise ConfigError(self.source, key, problem, fix)
@@ -85,7 +83,7 @@ class _Resolver:
             self.fail(
                 key,
                 f"unknown priority level {name!r}",
-                f"{_suggest(name, self.levels)}use one of priorities.levels: "
+                f"{suggest(name, self.levels)}use one of priorities.levels: "
                 f"{', '.join(self.levels)}",
             )
         return name
@@ -108,7 +106,9 @@ class _Resolver:
             default = "medium" if "medium" in self.levels else self.levels[-1]
         aging_in = priorities.aging or _AgingIn()
         aging = AgingConfig(threshold_s=aging_in.threshold_s, rate_per_s=aging_in.rate_per_s)
+        self.control.declare(raw.devices)
         pools = self._pools(raw.pools)
+        pools, self.inventory = self.control.devices(pools)
         models = self._models(raw.models, pools)
         keys = self._keys(raw.keys or [], default)
         self._gateway_notes(gateway, keys, models)
@@ -122,6 +122,8 @@ class _Resolver:
             models=MappingProxyType(models),
             keys=keys,
             notes=tuple(self.notes),
+            devices=self.inventory,
+            controller=self.control.controller(raw.controller),
         )
 
     # ------------------------------------------------------------ priorities
@@ -171,7 +173,7 @@ class _Resolver:
                         )
                 served = [level for level in self.levels if level in pool_in.priorities]
             devices = self._devices(pool_in.devices, key)
-            pools[name] = PoolConfig(name, tuple(served), devices)
+            pools[name] = PoolConfig(name, tuple(served), devices, pool_in.placement)
         served_any = {level for pool in pools.values() for level in pool.priorities}
         for level in self.levels:
             if level not in served_any:
@@ -187,7 +189,7 @@ class _Resolver:
     def _devices(self, devices: list[str], pool_key: str) -> tuple[str, ...]:
         for index, device in enumerate(devices):
             key = f"{pool_key}.devices[{index}]"
-            if not _DEVICE_RE.match(device):
+            if not self.control.pool_device(device, key) and not _DEVICE_RE.match(device):
                 self.fail(
                     key,
                     f"unknown device {device!r}",
@@ -254,7 +256,10 @@ class _Resolver:
                 )
             upstreams = ()
             replicas = self._replicas(m.replicas, key, model_pools)
-            if sum(replicas.values()) == 0:
+        control = self.control.model(m, key, task, self._path(m.profile), replicas, model_pools[0])
+        if m.engine != "openai":
+            self.control.check_fit(key, control, model_pools, pools, self.inventory)
+            if sum(control.replicas.values()) == 0:
                 self.notes.append(f"model {m.name} starts with no replica")
         batching_in = m.batching or _BatchingIn()
         batching = BatchingSpec(
@@ -276,12 +281,17 @@ class _Resolver:
             engine=m.engine,
             model_path=self._path(m.model_path),
             profile=self._path(m.profile),
-            replicas=MappingProxyType(replicas),
+            replicas=MappingProxyType(control.replicas),
             pools=model_pools,
             upstreams=upstreams,
             slots=m.slots,
             batching=batching,
             queue=self._queue(m.queue or _QueueIn(), f"{key}.queue"),
+            memory_mb=control.memory_mb,
+            exclusive=control.exclusive,
+            drain_timeout_s=control.drain_timeout_s,
+            autoscaling=control.autoscaling,
+            probe_max_ms=m.probe_max_ms,
         )
 
     def _engine_fields(self, m: _ModelIn, key: str, built_in: bool) -> None:
@@ -313,7 +323,7 @@ class _Resolver:
                 self.fail(
                     f"{key}.pools[{index}]",
                     f"unknown pool {name!r}",
-                    f"{_suggest(name, list(pools))}use a pool defined under pools: "
+                    f"{suggest(name, list(pools))}use a pool defined under pools: "
                     f"{', '.join(pools)}",
                 )
             if m.pools.index(name) != index:
@@ -340,7 +350,7 @@ class _Resolver:
                 self.fail(
                     pool_key,
                     f"pool {pool!r} is not one of this model's pools ({', '.join(model_pools)})",
-                    f"{_suggest(str(pool), model_pools)}use one of them, or add it to the "
+                    f"{suggest(str(pool), model_pools)}use one of them, or add it to the "
                     "model's pools",
                 )
             if not isinstance(count, int) or isinstance(count, bool) or count < 0:

@@ -46,6 +46,78 @@ class _PrioritiesIn(_Strict):
 class _PoolIn(_Strict):
     priorities: Annotated[list[str], Field(min_length=1)] | None = None
     devices: Annotated[list[str], Field(min_length=1)] = Field(default_factory=lambda: ["auto"])
+    placement: Literal["binpack", "spread"] = "binpack"
+
+
+class _DeviceIn(_Strict):
+    """One declared device (``devices:``): the inventory when NVML is not used."""
+
+    id: Annotated[str, Field(min_length=1)]
+    memory_mb: PositiveInt
+    node: Name = "local"
+
+
+# ------------------------------------------------------------------ autoscaling (control.py)
+
+
+class _PolicyIn(_Strict):
+    type: Literal["pods", "percent"]
+    value: PositiveInt
+    period_s: PositiveFloat
+
+
+class _ScalingRulesIn(_Strict):
+    stabilization_window_s: NonNegativeFloat | None = None  # None: the direction's default
+    select_policy: Literal["max", "min", "disabled"] | None = None  # None: the default's
+    policies: Annotated[list[_PolicyIn], Field(min_length=1)] | None = None
+    tolerance: Annotated[float, Field(ge=0, lt=1)] | None = None  # None: autoscaling's
+
+
+class _PanicIn(_Strict):
+    threshold: float | None = None  # a multiple of target_per_replica; checked in control.py
+    window_s: PositiveFloat | None = None
+
+
+class _WindowIn(_Strict):
+    from_: Any = Field(alias="from")  # "HH:MM": checked in control.py
+    to: Any
+
+
+class _DefragIn(_Strict):
+    window: _WindowIn
+    timezone: Annotated[str, Field(min_length=1)] = "UTC"
+    move_timeout_s: PositiveFloat = 300.0
+
+
+class _ControllerIn(_Strict):
+    orchestrator: Literal["local", "ray"] = "local"
+    ray_address: str | None = None  # None: start a local Ray (or join RAY_ADDRESS)
+    defrag: _DefragIn | None = None
+
+
+class _ScheduleIn(_Strict):
+    days: str | list[str]  # names or "daily"/"weekdays"/"weekends": checked in control.py
+    from_: Any = Field(alias="from")  # "HH:MM"; an int is what YAML made of unquoted 18:30
+    to: Any
+    min_replicas: Annotated[int, Field(ge=0)]
+
+
+class _AutoscalingIn(_Strict):
+    min_replicas: Annotated[int, Field(ge=0)] = 1
+    max_replicas: PositiveInt
+    target_per_replica: PositiveFloat
+    # None below: AutoscaleConfig's default (control.py fills it in)
+    tolerance: Annotated[float, Field(ge=0, lt=1)] | None = None
+    interval_s: PositiveFloat | None = None
+    stable_window_s: NonNegativeFloat | None = None
+    scale_up: _ScalingRulesIn | None = None
+    scale_down: _ScalingRulesIn | None = None
+    panic: _PanicIn | None = None
+    schedules: list[_ScheduleIn] = Field(default_factory=list)
+    timezone: Annotated[str, Field(min_length=1)] = "UTC"
+    cold_start_s: NonNegativeFloat | None = None
+    scale_to_zero: bool = False
+    forecast: bool = False
 
 
 class _BatchingIn(_Strict):
@@ -74,6 +146,11 @@ class _ModelIn(_Strict):
     slots: PositiveInt | None = None
     batching: _BatchingIn | None = None
     queue: _QueueIn | None = None
+    gpu: Literal["exclusive", "shared"] = "shared"
+    memory_mb: PositiveInt | None = None  # None: from the profile, else the task's default
+    drain_timeout_s: NonNegativeFloat = 30.0
+    probe_max_ms: PositiveFloat | None = None  # ready only once a probe after warm-up is this fast
+    autoscaling: _AutoscalingIn | None = None
 
 
 class _KeyIn(_Strict):
@@ -87,5 +164,7 @@ class _ConfigIn(_Strict):
     gateway: _GatewayIn | None = None
     priorities: _PrioritiesIn | None = None
     pools: Annotated[dict[str, _PoolIn | None], Field(min_length=1)] | None = None
+    devices: list[_DeviceIn] | None = None
+    controller: _ControllerIn | None = None
     models: Annotated[list[_ModelIn], Field(min_length=1)] | None = None
     keys: list[_KeyIn] | None = None

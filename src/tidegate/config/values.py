@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from tidegate.core.autoscale import AutoscaleConfig
 from tidegate.core.batching import BatchConfig
+from tidegate.core.placement import Device
 from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
 from tidegate.core.routing import PoolSpec
 
@@ -42,10 +44,22 @@ class GatewaySettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ControllerSettings:
+    orchestrator: str = "local"  # "local" (child processes) or "ray" (actors on a cluster)
+    ray_address: str | None = None  # None: a local Ray, or the cluster in RAY_ADDRESS
+    defrag_window: tuple[int, int] | None = None  # local minutes [from, to); None: on request
+    defrag_timezone: str = "UTC"
+    defrag_move_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     name: str
     priorities: tuple[str, ...]  # level names it serves, in level order
-    devices: tuple[str, ...]  # "auto", "cpu" or "cuda:N"; "auto" is resolved at start-up
+    # "auto", "cpu", "cuda:N", or declared ids; "auto" is resolved at start-up (NVML), or at
+    # load time to the declared ids no other pool lists when `devices:` is declared
+    devices: tuple[str, ...]
+    placement: str = "binpack"  # "binpack" or "spread" (core.placement.STRATEGIES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +91,11 @@ class ModelSpec:
     slots: int | None  # in-flight requests per replica; None: ask the worker's /stats
     batching: BatchingSpec
     queue: QueueSpec
+    memory_mb: int = 0  # what one replica asks of a shared device (config.control)
+    exclusive: bool = False  # gpu: exclusive: a whole device per replica
+    drain_timeout_s: float = 30.0  # scale-in: in-flight requests may finish this long
+    autoscaling: AutoscaleConfig | None = None  # None: static, ``replicas`` is all it has
+    probe_max_ms: float | None = None  # ready only once a probe after warm-up is this fast
 
     @property
     def local(self) -> bool:
@@ -110,6 +129,8 @@ class TidegateConfig:
     models: Mapping[str, ModelSpec]
     keys: tuple[KeySpec, ...]  # empty: open service
     notes: tuple[str, ...] = ()  # things worth knowing that are not errors
+    devices: tuple[Device, ...] = ()  # the declared inventory; empty: NVML (or cpu) decides
+    controller: ControllerSettings = ControllerSettings()
 
     # ------------------------------------------------------------ priorities
     @property
@@ -237,6 +258,7 @@ class TidegateConfig:
             max_batch_tokens=model.batching.max_batch_tokens,
             max_num_seqs=model.batching.max_num_seqs,
             profile=model.profile,
+            probe_max_ms=model.probe_max_ms,
         )
 
     # ------------------------------------------------------------------ keys
