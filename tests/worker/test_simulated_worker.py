@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -225,3 +226,76 @@ def _sample(metrics: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     pytest.fail(f"{name} not in /metrics")
+
+
+def test_drain_hands_back_waiting_requests_and_finishes_the_running_batch(
+    tmp_path: Path,
+) -> None:
+    # One batch of at most 2 takes 600 ms: of 6 concurrent requests, 2 run and 4 wait.
+    profile = write_profile(
+        tmp_path / "slow.json",
+        "embeddings",
+        [{"batch_size": 1, "latency_ms": 600}, {"batch_size": 2, "latency_ms": 600}],
+    )
+    with worker_process(
+        "--model",
+        "sim",
+        "--engine",
+        "simulated",
+        "--profile",
+        str(profile),
+        "--max-batch-size",
+        "2",
+        "--batch-window-ms",
+        "0",
+    ) as worker:
+        results: list[httpx.Response] = []
+
+        def send() -> None:
+            results.append(
+                httpx.post(
+                    f"{worker.url}/v1/embeddings", json={"model": "sim", "input": "a"}, timeout=10
+                )
+            )
+
+        threads = [threading.Thread(target=send) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: httpx.get(f"{worker.url}/stats").json()["queued"] >= 3)
+        drained = httpx.post(f"{worker.url}/admin/drain", timeout=5).json()
+        for thread in threads:
+            thread.join()
+        assert drained["status"] == "draining"
+        statuses = sorted(r.status_code for r in results)
+        handed_back = [r for r in results if r.status_code == 503]
+        assert len(handed_back) == drained["returned"] >= 3
+        assert all(r.json()["error"]["code"] == "draining" for r in handed_back)
+        assert statuses.count(200) == 6 - drained["returned"] >= 1
+        assert httpx.get(f"{worker.url}/readyz").status_code == 503
+        late = httpx.post(f"{worker.url}/v1/embeddings", json={"model": "sim", "input": "a"})
+        assert late.status_code == 503
+        assert late.json()["error"]["code"] == "draining"
+
+
+def test_a_worker_whose_probe_is_too_slow_never_becomes_ready(tmp_path: Path) -> None:
+    profile = write_profile(
+        tmp_path / "slow.json", "embeddings", [{"batch_size": 1, "latency_ms": 120}]
+    )
+    args = ("--model", "sim", "--engine", "simulated", "--profile", str(profile))
+    args += ("--max-batch-size", "1")
+    with worker_process(*args, "--probe-max-ms", "40", wait_ready=False) as slow:
+        seen: set[int] = set()
+
+        def exited() -> bool:
+            code = slow.process.poll()
+            if code is None:
+                with contextlib.suppress(httpx.TransportError):
+                    seen.add(httpx.get(f"{slow.url}/readyz", timeout=1).status_code)
+            return code is not None
+
+        wait_for(exited, timeout_s=20)
+        assert slow.process.returncode == 1
+        assert 200 not in seen
+    with worker_process(*args, "--probe-max-ms", "1000") as fast:
+        metrics = httpx.get(f"{fast.url}/metrics").text
+        assert _sample(metrics, 'tidegate_worker_startup_seconds{model="sim",phase="probe"}') >= 0.1

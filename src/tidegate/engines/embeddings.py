@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tidegate.engines.base import MemoryReport, ModelCard
-from tidegate.engines.hf_runtime import engine_memory, quiet_transformers
+from tidegate.engines.hf_runtime import claim_device, engine_memory, quiet_transformers
 
 MINILM_DESCRIPTION = (
     "sentence-transformers/all-MiniLM-L6-v2: 384-dim sentence embeddings "
@@ -39,10 +39,20 @@ def _max_seq_length(folder: Path, default: int) -> int:
 
 
 class TransformersEmbeddings:
-    def __init__(self, name: str, *, model_path: str | None = None, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        model_path: str | None = None,
+        device: str = "cpu",
+        memory_fraction: float | None = None,
+    ) -> None:
+        if memory_fraction is not None and not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], not {memory_fraction}")
         self.name = name
         self.model_path = model_path
         self.device = device
+        self.memory_fraction = memory_fraction
         self.card = ModelCard(
             name=name,
             task="embeddings",
@@ -56,7 +66,6 @@ class TransformersEmbeddings:
         self._max_seq_length = 256
 
     def load(self) -> None:
-        import torch
         from transformers import AutoModel, AutoTokenizer
 
         quiet_transformers()
@@ -66,7 +75,7 @@ class TransformersEmbeddings:
         # safe to call from two threads at once, and batches run in another thread.
         self._counter = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModel.from_pretrained(folder, local_files_only=True)
-        self._model = model.to(torch.device(self.device)).eval()
+        self._model = model.to(claim_device(self.device, self.memory_fraction)).eval()
         config = model.config
         positions = int(getattr(config, "max_position_embeddings", 512))
         self._max_seq_length = min(positions, _max_seq_length(folder, positions))

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tidegate.engines.base import MemoryReport, ModelCard, SamplingParams, TokenEvent
-from tidegate.engines.hf_runtime import engine_memory, quiet_transformers
+from tidegate.engines.hf_runtime import claim_device, engine_memory, quiet_transformers
 from tidegate.engines.text import StopScanner
 from tidegate.errors import PromptTooLong, ReplicaFailed
 
@@ -234,13 +234,7 @@ class TransformersGenerator:
             from tidegate.engines.tiny_llama import ensure_tiny_llama
 
             folder = ensure_tiny_llama(self.cache_dir)
-        device = torch.device(self.device)
-        if device.type == "cuda":
-            if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-            if self.memory_fraction is not None:
-                torch.cuda.set_per_process_memory_fraction(self.memory_fraction, device)
-            torch.cuda.reset_peak_memory_stats(device)
+        device = claim_device(self.device, self.memory_fraction)
         tokenizer = hf.AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = hf.AutoModelForCausalLM.from_pretrained(
             folder,

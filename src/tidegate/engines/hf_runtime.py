@@ -35,3 +35,24 @@ def engine_memory(model: Any, device: str) -> MemoryReport:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak = rss if sys.platform == "darwin" else rss * 1024
     return MemoryReport(device=device, weights_bytes=weights, peak_bytes=peak)
+
+
+def claim_device(device: str, memory_fraction: float | None) -> Any:
+    """The torch device to load on; on CUDA, cap this process's share of its memory.
+
+    The cap (``torch.cuda.set_per_process_memory_fraction``) is what keeps replicas that
+    share a GPU inside the memory placement gave them: an allocation beyond it fails in
+    this process instead of starving the others.
+    """
+    import torch
+
+    if memory_fraction is not None and not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(f"memory_fraction must be in (0, 1], not {memory_fraction}")
+    target = torch.device(device)
+    if target.type == "cuda":
+        if target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        if memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(memory_fraction, target)
+        torch.cuda.reset_peak_memory_stats(target)
+    return target

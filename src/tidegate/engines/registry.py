@@ -46,6 +46,7 @@ def build_engine(
     task: str | None = None,
     seed: int = 0,
     max_num_seqs: int = 16,
+    memory_fraction: float | None = None,
 ) -> Engine:
     """An unloaded engine for ``model``; call ``load()`` off the event loop."""
     known = KNOWN_MODELS.get(model)
@@ -82,7 +83,9 @@ def build_engine(
     if wanted_task == "embeddings":
         from tidegate.engines.embeddings import TransformersEmbeddings
 
-        return TransformersEmbeddings(model, model_path=model_path, device=device)
+        return TransformersEmbeddings(
+            model, model_path=model_path, device=device, memory_fraction=memory_fraction
+        )
     from tidegate.engines.generation import TransformersGenerator
 
     return TransformersGenerator(
@@ -91,5 +94,6 @@ def build_engine(
         device=device,
         seed=seed,
         max_num_seqs=max_num_seqs,
+        memory_fraction=memory_fraction,
         synthetic=model == "tiny-llama" and model_path is None,
     )

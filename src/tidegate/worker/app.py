@@ -67,6 +67,7 @@ def default_engine_factory(settings: WorkerSettings) -> Engine:
         task=settings.task,
         seed=settings.seed,
         max_num_seqs=settings.max_num_seqs,
+        memory_fraction=settings.memory_fraction,
     )
 
 
@@ -108,6 +109,15 @@ def create_app(
         if worker.error:
             body["error"] = worker.error
         return JSONResponse(body, 200 if worker.ready else 503)
+
+    @app.post("/admin/drain")
+    async def drain() -> dict[str, Any]:
+        """Scale-in: take no new request, and hand back what has not started.
+
+        What waits in this worker's queue gets 503 ``draining`` (the gateway puts it back in
+        its own queue for another replica); running batches and sequences finish.
+        """
+        return {"status": "draining", "returned": worker.drain()}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -180,7 +190,8 @@ def _engine_for(worker: Worker, model: str, task: str) -> Engine:
             param="model",
         )
     if not worker.ready or worker.engine is None:
-        raise NotReady(f"model {model} is {worker.phase}", code="not_ready", retry_after_s=1.0)
+        code = "draining" if worker.phase == "draining" else "not_ready"
+        raise NotReady(f"model {model} is {worker.phase}", code=code, retry_after_s=1.0)
     engine = worker.engine
     if engine.card.task != task:
         other = "/v1/embeddings" if engine.card.task == "embeddings" else "/v1/completions"

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from tidegate.core.batching import BatchConfig
 from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
 from tidegate.engines.base import EmbeddingEngine, Engine, GenerationEngine, SamplingParams
+from tidegate.errors import NotReady
 from tidegate.metrics import WorkerMetrics
 from tidegate.worker.scheduling import EmbeddingBatcher, SequenceScheduler
 
@@ -19,6 +20,10 @@ log = logging.getLogger("tidegate.worker")
 # The worker holds only what it can batch soon: the gateway keeps the backlog. Its local
 # queue orders by priority (no holdback: the gateway already decided admission).
 WORKER_LEVELS = (LevelSpec("high"), LevelSpec("medium"), LevelSpec("low"))
+
+
+PROBE_ATTEMPTS = 5  # slow probes before the worker gives up starting
+PROBE_RETRY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class WorkerSettings:
     profile: str | None = None
     seed: int = 0
     warmup_tokens: int = 4
+    memory_fraction: float | None = None  # CUDA: this process's cap on its device's memory
+    probe_max_ms: float | None = None  # ready only once a probe request is this fast
 
 
 @dataclass
@@ -45,7 +52,7 @@ class Worker:
     engine: Engine | None = None
     batcher: EmbeddingBatcher | None = None
     sequences: SequenceScheduler | None = None
-    phase: str = "starting"  # starting, loading, warming, ready, failed, stopping
+    phase: str = "starting"  # starting, loading, warming, ready, draining, failed, stopping
     error: str | None = None
     created_at: float = field(default_factory=time.monotonic)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -76,6 +83,8 @@ class Worker:
             warm_started = time.monotonic()
             await self._warm_up(engine)
             warm_s = time.monotonic() - warm_started
+            self.phase = "probing"
+            probe_s = await self._probe(engine)
         except Exception as exc:
             self.phase = "failed"
             self.error = f"{type(exc).__name__}: {exc}"
@@ -85,6 +94,7 @@ class Worker:
         labels = self.metrics.startup
         labels.labels(s.model, "load").set(load_s)
         labels.labels(s.model, "warmup").set(warm_s)
+        labels.labels(s.model, "probe").set(probe_s)
         labels.labels(s.model, "ready").set(ready_s)
         memory = engine.memory()
         self.metrics.memory.labels(s.model, memory.device, "weights").set(memory.weights_bytes)
@@ -112,6 +122,40 @@ class Worker:
                 engine, s.max_num_seqs, self.queue_config(), self.metrics
             )
 
+    async def _probe(self, engine: Engine) -> float:
+        """Time one request as a client would send it; ready only when it is fast enough.
+
+        With ``probe_max_ms`` set, a replica whose probe is slower (a GPU shared with a
+        noisy neighbour, a CPU starved by others) tries again a few times, then fails to
+        start: the orchestrator restarts it after a back-off instead of routing to it.
+        """
+        limit_ms = self.settings.probe_max_ms
+        took_s = 0.0
+        for attempt in range(PROBE_ATTEMPTS):
+            started = time.monotonic()
+            if isinstance(engine, EmbeddingEngine):
+                await engine.embed(["readiness probe"])
+            else:
+                assert isinstance(engine, GenerationEngine)
+                params = SamplingParams(max_tokens=1, temperature=0.0)
+                async for _ in engine.generate(f"probe-{attempt}", engine.encode("probe"), params):
+                    pass
+            took_s = time.monotonic() - started
+            if limit_ms is None or took_s * 1000 <= limit_ms:
+                return took_s
+            log.warning(
+                "worker %s: probe %d took %.0f ms > %.0f ms",
+                self.settings.model,
+                attempt + 1,
+                took_s * 1000,
+                limit_ms,
+            )
+            await asyncio.sleep(PROBE_RETRY_S)
+        raise RuntimeError(
+            f"readiness probe took {took_s * 1000:.0f} ms, over probe_max_ms={limit_ms:g} "
+            f"{PROBE_ATTEMPTS} times"
+        )
+
     async def _warm_up(self, engine: Engine) -> None:
         """Every batch size up to the max (embeddings), or a short generation."""
         if isinstance(engine, EmbeddingEngine):
@@ -132,6 +176,19 @@ class Worker:
                 pass
 
         await asyncio.gather(*(one(i) for i in range(min(4, self.settings.max_num_seqs))))
+
+    def drain(self) -> int:
+        """Stop taking requests (``/readyz`` 503 ``draining``); return the waiting ones."""
+        if self.phase in ("ready", "draining"):
+            self.phase = "draining"
+        error = NotReady(
+            f"{self.settings.model}: this replica is draining", code="draining", retry_after_s=1.0
+        )
+        returned = 0
+        for scheduler in (self.batcher, self.sequences):
+            if scheduler is not None:
+                returned += scheduler.drain(error)
+        return returned
 
     async def stop(self) -> None:
         self.phase = "stopping"

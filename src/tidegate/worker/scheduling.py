@@ -119,6 +119,13 @@ class EmbeddingBatcher:
                 if future is not None and not future.done():
                     future.cancel()
 
+    def drain(self, error: BaseException) -> int:
+        """Answer every input not yet in a batch with ``error``; returns how many."""
+        waiting = self.queue.pop(len(self.queue), self.clock.now()) if len(self.queue) else ()
+        for request in waiting:
+            self._settle(request.id, exc=error)
+        return len(waiting)
+
     async def run(self) -> None:
         """The owner loop: plan, pop, run; sleep until the next arrival or window end."""
         while True:
@@ -227,6 +234,15 @@ class SequenceScheduler:
             self.throughput.record(self.clock.now(), made)
             self.queue.drain.record(self.clock.now())
             self._release_slot()
+
+    def drain(self, error: BaseException) -> int:
+        """Answer every sequence still waiting for a slot with ``error``; returns how many."""
+        waiting = self.queue.pop(len(self.queue), self.clock.now()) if len(self.queue) else ()
+        for request in waiting:
+            granted = self._granted.pop(request.id, None)
+            if granted is not None and not granted.done():
+                granted.set_exception(error)
+        return len(waiting)
 
     def _release_slot(self) -> None:
         self.num_running -= 1
