@@ -137,3 +137,29 @@ class GatewayMetrics(_RequestMetrics):
             ["model"],
             registry=r,
         )
+        self.scale_events = Counter(
+            "tidegate_scale_events_total",
+            "Replica count changes the autoscaler made, by direction and the rule that chose it.",
+            ["model", "direction", "reason"],
+            registry=r,
+        )
+        self.desired_replicas = Gauge(
+            "tidegate_desired_replicas",
+            "Replicas the autoscaler wants for a model (its last decision).",
+            ["model"],
+            registry=r,
+        )
+        self.cold_start = Histogram(
+            "tidegate_cold_start_seconds",
+            "From a replica's launch to ready (warm-up passed).",
+            ["model"],
+            buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
+            registry=r,
+        )
+        self.drain = Histogram(
+            "tidegate_drain_seconds",
+            "From draining (no new requests) to stopped, for a replica scaled in.",
+            ["model"],
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120),
+            registry=r,
+        )

@@ -16,7 +16,7 @@ Each replica has one supervisor task for its whole life:
 3. wait for the process to exit (event-driven: no liveness polling). Any exit that
    ``stop()`` did not cause is a failure: FAILED with the exit status (and the last line of
    its stderr), then a restart after a back-off of 1, 2, 4 ... ``max_backoff_s`` seconds,
-   reset to 1 s once a replica has been ready for ``RESET_BACKOFF_AFTER_S``.
+   reset to 1 s once a replica has been ready for ``RESET_BACKOFF_AFTER_S`` (control.lifecycle).
 
 No orphans: every worker runs in its own process group (stopped as a whole) and, on Linux,
 with the parent-death signal set to SIGTERM, so even a SIGKILLed gateway takes its workers
@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -40,22 +41,22 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import httpx
 
 from tidegate.config import TidegateConfig
+from tidegate.control import lifecycle
+from tidegate.control.inventory import initial_placement, memory_fraction, nvml_devices
+from tidegate.control.lifecycle import MIN_BACKOFF_S
+from tidegate.control.orchestrator import ReplicaSpec
 from tidegate.gateway.replicas import Replica, ReplicaState
 from tidegate.worker.runtime import WorkerSettings
 
 log = logging.getLogger("tidegate.control")
 
 WORKER_HOST = "127.0.0.1"
-POLL_INTERVAL_S = 0.2  # /readyz while a worker starts
-MIN_BACKOFF_S = 1.0  # first restart delay; doubles up to max_backoff_s
-RESET_BACKOFF_AFTER_S = 60.0  # ready this long: the next failure backs off from 1 s again
 STDERR_TAIL_BYTES = 4000  # logged when a worker exits
-DETAIL_MAX_CHARS = 300
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _CLI_FALLBACK = "import sys; from tidegate.cli import app; sys.exit(app(prog_name='tidegate'))"
 
@@ -149,6 +150,10 @@ def worker_command(settings: WorkerSettings, log_level: str = "info") -> list[st
         args += ["--max-batch-tokens", str(s.max_batch_tokens)]
     if s.profile is not None:
         args += ["--profile", s.profile]
+    if s.probe_max_ms is not None:
+        args += ["--probe-max-ms", f"{s.probe_max_ms:g}"]
+    if s.memory_fraction is not None:
+        args += ["--memory-fraction", f"{s.memory_fraction:.4f}"]
     return args
 
 
@@ -220,9 +225,12 @@ class LocalWorkers:
         self._stop_task: asyncio.Task[None] | None = None
         base_env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         base_env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self._base_env = base_env
         gpus = functools.cache(gpu_count)  # NVML is asked once, and only for auto
         pool_devices: dict[str, list[str]] = {}
         next_device: dict[str, int] = {}
+        # Declared devices: core placement (memory, exclusivity, spread); else turns.
+        placed = initial_placement(config)[0].assignments
         for model in config.models.values():
             if not model.local:
                 continue
@@ -232,7 +240,10 @@ class LocalWorkers:
                     next_device[pool] = 0
                 devices = pool_devices[pool]
                 for index in range(count):
-                    device = devices[next_device[pool] % len(devices)]
+                    device = (
+                        placed.get(f"{model.name}-{pool}-{index}")
+                        or devices[next_device[pool] % len(devices)]
+                    )
                     next_device[pool] += 1
                     worker_device, env = device_env(device)
                     replica = Replica(
@@ -245,9 +256,18 @@ class LocalWorkers:
                         on_change=on_change,
                     )
                     log_path = None if log_dir is None else log_dir / f"{replica.id}.log"
+                    settings = dataclasses.replace(
+                        config.worker_settings(model.name, worker_device),
+                        memory_fraction=memory_fraction(
+                            device,
+                            model.memory_mb,
+                            model.exclusive,
+                            config.devices or nvml_devices(),
+                        ),
+                    )
                     self._slots[replica.id] = _Slot(
                         replica,
-                        config.worker_settings(model.name, worker_device),
+                        settings,
                         device,
                         {**base_env, **env},
                         log_path,
@@ -288,11 +308,14 @@ class LocalWorkers:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0))
         for slot in self._slots.values():
-            slot.supervisor = asyncio.create_task(
-                self._supervise(slot), name=f"supervise-{slot.replica.id}"
-            )
-            slot.supervisor.add_done_callback(self._supervisor_done)
+            self._supervise_slot(slot)
         await asyncio.gather(*(slot.launched.wait() for slot in self._slots.values()))
+
+    def _supervise_slot(self, slot: _Slot) -> None:
+        slot.supervisor = asyncio.create_task(
+            self._supervise(slot), name=f"supervise-{slot.replica.id}"
+        )
+        slot.supervisor.add_done_callback(self._supervisor_done)
 
     async def stop(self, timeout_s: float = 10) -> None:
         """Stop every worker: SIGTERM, SIGKILL after ``timeout_s``, reap. Idempotent."""
@@ -300,6 +323,55 @@ class LocalWorkers:
             self._stop_task = asyncio.create_task(self._stop(timeout_s), name="local-stop")
         # Shielded: a caller that gives up waiting does not leave workers half-stopped.
         await asyncio.shield(self._stop_task)
+
+    # ------------------------------------------------------ the Orchestrator protocol
+    async def start_replica(
+        self, spec: ReplicaSpec, on_change: Callable[[Replica], None]
+    ) -> Replica:
+        """Launch one more replica (the controller scaling up); it is STARTING on return."""
+        if self._stop_task is not None:
+            raise RuntimeError("LocalWorkers were stopped: no new replica")
+        if spec.replica_id in self._slots:
+            raise ValueError(f"replica {spec.replica_id} exists already")
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0))
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        worker_device, env = device_env(spec.device)
+        replica = Replica(
+            id=spec.replica_id,
+            model=spec.model,
+            pool=spec.pool,
+            kind="local",
+            slots=spec.slots or 1,
+            detail="not started",
+            on_change=on_change,
+        )
+        settings = dataclasses.replace(spec.settings, device=worker_device)
+        log_path = None if self.log_dir is None else self.log_dir / f"{replica.id}.log"
+        slot = _Slot(replica, settings, spec.device, {**self._base_env, **env}, log_path)
+        self._slots[replica.id] = slot
+        self.replicas.append(replica)
+        self._supervise_slot(slot)
+        return replica
+
+    async def stop_replica(self, replica_id: str, timeout_s: float) -> None:
+        """Stop one replica's worker (SIGTERM, SIGKILL after ``timeout_s``): STOPPED."""
+        slot = self._slots.pop(replica_id, None)
+        if slot is None:
+            return  # stopped already
+        self.replicas.remove(slot.replica)
+        await self._stop_slots([slot], timeout_s)
+
+    def list_replicas(self) -> list[Replica]:
+        return list(self.replicas)
+
+    def endpoint(self, replica_id: str) -> str | None:
+        slot = self._slots.get(replica_id)
+        return None if slot is None else slot.replica.url
+
+    async def close(self) -> None:
+        await self.stop()
 
     def kill(self, replica_id: str) -> None:
         """SIGKILL a replica's process group, as a crash would (for tests)."""
@@ -309,19 +381,24 @@ class LocalWorkers:
         _signal_group(process, signal.SIGKILL)
 
     async def _stop(self, timeout_s: float) -> None:
-        supervisors = [s.supervisor for s in self._slots.values() if s.supervisor is not None]
+        await self._stop_slots(list(self._slots.values()), timeout_s)
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _stop_slots(self, slots: list[_Slot], timeout_s: float) -> None:
+        supervisors = [s.supervisor for s in slots if s.supervisor is not None]
         for task in supervisors:
             task.cancel()
         if supervisors:
             await asyncio.wait(supervisors)
         # A launch in progress finishes (it is shielded from its supervisor's cancellation),
         # so its process is known and stopped below.
-        spawning = [s.spawning for s in self._slots.values() if s.spawning is not None]
+        spawning = [s.spawning for s in slots if s.spawning is not None]
         if spawning:
             await asyncio.wait(spawning)
             for launch in spawning:
-                _retrieve(launch, "launch")
-        running = [p for p in (s.running for s in self._slots.values()) if p is not None]
+                lifecycle.retrieve(launch, "launch")
+        running = [p for p in (s.running for s in slots) if p is not None]
         for process in running:
             _signal_group(process, signal.SIGTERM)
         if running:
@@ -335,14 +412,12 @@ class LocalWorkers:
                     _signal_group(process, signal.SIGKILL)
             if pending:
                 await asyncio.wait(pending)
-        drains = [s.drain for s in self._slots.values() if s.drain is not None]
-        await _cancel(drains)
-        for slot in self._slots.values():
+        drains = [s.drain for s in slots if s.drain is not None]
+        await lifecycle.cancel(drains)
+        for slot in slots:
             slot.replica.url = None
             slot.replica.set_state(ReplicaState.STOPPED, "stopped")
             slot.launched.set()
-        if self._client is not None:
-            await self._client.aclose()
 
     def _supervisor_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -351,23 +426,16 @@ class LocalWorkers:
         if exc is not None:  # a bug: say so loudly, and keep the replica out of rotation
             log.error("supervisor %s crashed", task.get_name(), exc_info=exc)
             replica_id = task.get_name().removeprefix("supervise-")
-            slot = self._slots[replica_id]
+            slot = self._slots.get(replica_id)
+            if slot is None:
+                return  # stopped by stop_replica meanwhile
             slot.replica.set_state(ReplicaState.FAILED, f"supervisor crashed: {exc!r}")
             slot.launched.set()
 
     # --------------------------------------------------------------- supervision
     async def _supervise(self, slot: _Slot) -> None:
-        backoff = MIN_BACKOFF_S
-        replica = slot.replica
-        while True:
-            ready_for_s = await self._run_once(slot)
-            if ready_for_s >= RESET_BACKOFF_AFTER_S:
-                backoff = MIN_BACKOFF_S
-            delay = min(backoff, self.max_backoff_s)
-            backoff = min(backoff * 2, self.max_backoff_s)
-            log.warning("replica %s: restarting in %gs (%s)", replica.id, delay, replica.detail)
-            await asyncio.sleep(delay)
-            replica.restarts += 1
+        run_once = functools.partial(self._run_once, slot)
+        await lifecycle.restart_forever(slot.replica, run_once, self.max_backoff_s)
 
     async def _run_once(self, slot: _Slot) -> float:
         """One worker process from launch to exit; returns how long it was READY."""
@@ -381,7 +449,9 @@ class LocalWorkers:
             try:
                 process = await asyncio.shield(slot.spawning)
             except OSError as exc:
-                replica.set_state(ReplicaState.FAILED, _clip(f"cannot launch the worker: {exc}"))
+                replica.set_state(
+                    ReplicaState.FAILED, lifecycle.clip(f"cannot launch the worker: {exc}")
+                )
                 return 0.0
             finally:
                 if slot.spawning.done():
@@ -390,7 +460,7 @@ class LocalWorkers:
             try:
                 return await self._watch(slot, process, exited, deadline)
             finally:
-                await _cancel([exited])
+                await lifecycle.cancel([exited])
         finally:
             slot.launched.set()
 
@@ -407,16 +477,13 @@ class LocalWorkers:
         if url is not None:
             replica.url = url
             slot.launched.set()
-            readiness = asyncio.create_task(self._until_ready(slot, url), name=f"ready-{url}")
-            try:
-                left = max(0.0, deadline - time.monotonic())
-                await asyncio.wait(
-                    {exited, readiness}, timeout=left, return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                await _cancel([readiness])
-            if readiness.done() and not readiness.cancelled() and not exited.done():
-                replica.slots = readiness.result()
+            assert self._client is not None
+            configured = self.config.model(replica.model).slots
+            slots = await lifecycle.ready_before(
+                self._client, replica, url, configured, exited, deadline
+            )
+            if slots is not None:
+                replica.slots = slots
                 ready_at = time.monotonic()
                 replica.set_state(ReplicaState.READY, f"pid {process.pid} on {slot.device}")
                 log.info("replica %s ready at %s (%d slots)", replica.id, url, replica.slots)
@@ -434,7 +501,7 @@ class LocalWorkers:
                 _signal_group(process, signal.SIGKILL)
         code = await exited  # the process's own exit: the only liveness signal
         ready_for_s = 0.0 if ready_at is None else time.monotonic() - ready_at
-        await _cancel([slot.drain] if slot.drain is not None else [])
+        await lifecycle.cancel([slot.drain] if slot.drain is not None else [])
         slot.drain = None
         replica.url = None
         detail = killed_for or (
@@ -453,7 +520,7 @@ class LocalWorkers:
                 detail = f"{detail}: {reason}"
         else:
             log.warning("replica %s (pid %d) %s", replica.id, process.pid, detail)
-        replica.set_state(ReplicaState.FAILED, _clip(detail))
+        replica.set_state(ReplicaState.FAILED, lifecycle.clip(detail))
         return ready_for_s
 
     async def _spawn(self, slot: _Slot) -> asyncio.subprocess.Process:
@@ -521,25 +588,6 @@ class LocalWorkers:
         )
         return text
 
-    async def _until_ready(self, slot: _Slot, url: str) -> int:
-        """Poll /readyz until 200 (WARMING meanwhile); then the replica's slots."""
-        assert self._client is not None
-        replica = slot.replica
-        configured = self.config.model(replica.model).slots
-        while True:
-            try:
-                response = await self._client.get(f"{url}/readyz")
-                if response.status_code == 200:
-                    if configured is not None:
-                        return configured
-                    stats = await self._client.get(f"{url}/stats")
-                    stats.raise_for_status()
-                    return _slots_from(stats, replica.id)
-                replica.set_state(ReplicaState.WARMING, f"worker {_phase(response)}")
-            except httpx.HTTPError as exc:  # not listening yet, or busy loading: ask again
-                log.debug("replica %s not answering yet: %r", replica.id, exc)
-            await asyncio.sleep(POLL_INTERVAL_S)
-
 
 # ----------------------------------------------------------------------------- helpers
 async def _drain(replica_id: str, stdout: asyncio.StreamReader) -> None:
@@ -548,48 +596,10 @@ async def _drain(replica_id: str, stdout: asyncio.StreamReader) -> None:
         log.debug("replica %s stdout: %s", replica_id, line.decode("utf-8", "replace").rstrip())
 
 
-async def _cancel(tasks: Iterable[asyncio.Task[Any]]) -> None:
-    """Cancel tasks and wait until they are done (a cancellation of the caller still works)."""
-    tasks = list(tasks)
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.wait(tasks)
-    for task in tasks:
-        _retrieve(task, task.get_name())
-
-
-def _retrieve(task: asyncio.Task[Any], what: str) -> None:
-    """Log a finished task's exception (instead of leaving it unretrieved)."""
-    if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
-        log.warning("%s failed: %r", what, exc)
-
-
 def _signal_group(process: asyncio.subprocess.Process, sig: signal.Signals) -> None:
     if process.returncode is None:
         with contextlib.suppress(ProcessLookupError):  # it has just exited
             os.killpg(process.pid, sig)
-
-
-def _slots_from(stats: httpx.Response, replica_id: str) -> int:
-    try:
-        slots = stats.json().get("slots")
-    except ValueError:
-        slots = None
-    if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0:
-        return slots
-    log.warning("replica %s: /stats has no usable slots (%r); using 1", replica_id, slots)
-    return 1
-
-
-def _phase(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("status"), str):
-        return str(body["status"])
-    return f"answers {response.status_code}"
 
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
@@ -614,7 +624,3 @@ def _exit_text(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with status {code}"
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= DETAIL_MAX_CHARS else text[: DETAIL_MAX_CHARS - 3] + "..."

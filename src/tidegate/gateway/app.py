@@ -70,8 +70,10 @@ class Gateway:
     client: aiohttp.ClientSession | None = None
     shutting_down: bool = False
     orchestrators: list[Any] = field(default_factory=list)  # start() / stop() replicas
+    controller: Any = None  # control.controller.Controller when a model is autoscaled
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _release_waiters: set[asyncio.Event] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         pools = self.config.pool_specs()
@@ -83,14 +85,31 @@ class Gateway:
                 pools,
                 self.replicas[name],
                 self.metrics,
-                on_release=self._changed.set,
+                on_release=self._released,
             )
+
+    def _released(self) -> None:
+        self._changed.set()
+        for waiter in self._release_waiters:
+            waiter.set()
 
     def on_replica_change(self, replica: Replica) -> None:
         log.info("replica %s: %s %s", replica.id, replica.state.value, replica.detail)
         dispatcher = self.dispatchers.get(replica.model)
         if dispatcher is not None:
             dispatcher.wake()
+
+    def add_replica(self, replica: Replica) -> None:
+        """A replica the controller started: routed to once it is READY."""
+        self.replicas[replica.model].append(replica)
+        self.dispatchers[replica.model].wake()
+
+    def remove_replica(self, replica: Replica) -> None:
+        """A replica the controller stopped (drained first): forget it."""
+        replicas = self.replicas[replica.model]
+        if replica in replicas:
+            replicas.remove(replica)
+        self.dispatchers[replica.model].wake()
 
     async def start(self) -> None:
         """Dispatchers first, then the replicas in the background: the gateway is live at
@@ -122,6 +141,23 @@ class Gateway:
                 await asyncio.wait_for(self._changed.wait(), left)
         return True
 
+    async def wait_replica_idle(self, replica: Replica, timeout_s: float) -> bool:
+        """Wait until nothing is in flight on ``replica``, for at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        released = asyncio.Event()
+        self._release_waiters.add(released)
+        try:
+            while replica.in_flight > 0:
+                released.clear()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(released.wait(), left)
+            return True
+        finally:
+            self._release_waiters.discard(released)
+
     def num_pending(self) -> int:
         return sum(len(d.queue) + d.num_in_flight() for d in self.dispatchers.values())
 
@@ -135,7 +171,12 @@ class Gateway:
         return sum(d.fail_all(error) for d in self.dispatchers.values())
 
     def ready_models(self) -> list[str]:
-        return [m for m, rs in self.replicas.items() if any(r.ready for r in rs)]
+        """Models that take requests: a replica is ready, or one cold-starts on demand."""
+        return [
+            m
+            for m, rs in self.replicas.items()
+            if any(r.ready for r in rs) or self.dispatchers[m].on_demand is not None
+        ]
 
 
 def create_gateway_app(gateway: Gateway) -> FastAPI:
@@ -184,6 +225,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
                 "owned_by": "tidegate",
                 "task": config.model(name).task,
                 "ready_replicas": sum(r.ready for r in gateway.replicas[name]),
+                "replicas": _state_counts(gateway.replicas[name]),
             }
             for name in gateway.ready_models()
         ]
@@ -200,12 +242,61 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
             for model, replicas in gateway.replicas.items()
         }
 
+    @app.get("/admin/autoscaler")
+    async def admin_autoscaler(request: Request) -> dict[str, Any]:
+        _authenticate(config, request)
+        controller = gateway.controller
+        if controller is None:
+            return {"models": {}, "note": "no model is autoscaled in this configuration"}
+        return {"models": controller.describe()}
+
+    @app.get("/admin/defrag")
+    async def admin_defrag_plan(request: Request) -> dict[str, Any]:
+        _authenticate(config, request)
+        controller = _controller(gateway)
+        plan = controller.plan_defrag()
+        return {
+            "moves": [
+                {"replica": m.replica_id, "from": m.from_device, "to": m.to_device}
+                for m in plan.moves
+            ],
+            "frees": list(plan.freed_devices),
+            "in_offpeak_window": controller.in_offpeak_window(),
+        }
+
+    @app.post("/admin/defrag")
+    async def admin_defrag(request: Request, force: bool = False) -> JSONResponse:
+        _authenticate(config, request)
+        controller = _controller(gateway)
+        if not force and not controller.in_offpeak_window():
+            return JSONResponse(
+                {
+                    "status": "refused",
+                    "reason": "outside the off-peak window (force=true overrides)",
+                },
+                409,
+            )
+        return JSONResponse(await controller.run_defrag())
+
     async def handle(request: Request) -> Response:
         return await _proxy(gateway, request)
 
     for path in TASK_OF_PATH:
         app.add_api_route(path, handle, methods=["POST"])
     return app
+
+
+def _controller(gateway: Gateway) -> Any:
+    if gateway.controller is None:
+        raise InvalidRequest("no model is autoscaled or placed by the controller here")
+    return gateway.controller
+
+
+def _state_counts(replicas: list[Replica]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for replica in replicas:
+        counts[replica.state.value] = counts.get(replica.state.value, 0) + 1
+    return counts
 
 
 # --------------------------------------------------------------------------- per request
@@ -310,12 +401,14 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
         "x-tidegate-priority": worker_level,
         "x-request-id": call.rid,
     }
-    for attempt in (0, 1):
+    connect_failures = 0
+    while True:
         replica = await _wait_for_slot(dispatcher, request, ticket, call)
         try:
             forwarded = await _send(gateway, replica, request, body, headers, stream, call)
         except ConnectFailed as exc:
-            if attempt == 1:
+            connect_failures += 1
+            if connect_failures > 1:
                 dispatcher.release(replica, completed=False)
                 call.outcome = "failed"
                 raise ReplicaFailed(f"{model}: {exc}") from exc
@@ -329,8 +422,25 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
                 "cancelled" if isinstance(exc, ClientGone | asyncio.CancelledError) else "failed"
             )
             raise
+        if _handed_back(forwarded):
+            # A draining replica returned it unstarted: it goes back to the front of its
+            # level in the gateway's queue, for another replica. Not a failure, no limit:
+            # each replica drains once.
+            log.info("%s: handed back by draining replica %s", call.rid, replica.id)
+            ticket = dispatcher.retry(ticket, replica)
+            continue
         return _respond(gateway, dispatcher, replica, forwarded, call)
-    raise AssertionError("unreachable")
+
+
+def _handed_back(forwarded: Forwarded) -> bool:
+    """A 503 ``draining`` answer: the replica did not start the request."""
+    if forwarded.status != 503 or forwarded.body is None:
+        return False
+    try:
+        error = json.loads(forwarded.body).get("error", {})
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "draining"
 
 
 async def _wait_for_slot(

@@ -67,6 +67,10 @@ class ModelDispatcher:
         self._timer_at: float | None = None  # the deadline the owner task sleeps until
         self._choices = itertools.count()
         self.closed: str | None = None  # why new requests are refused, once shutting down
+        # Set by the controller for an autoscaled model: with no replica ready, requests
+        # wait in the queue (with their deadlines) while one cold-starts, and on_demand
+        # tells the controller there is demand (scale from zero) at once.
+        self.on_demand: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------- handlers' side
     def saturation(self) -> float:
@@ -77,7 +81,7 @@ class ModelDispatcher:
         """Admit and queue, or raise Overloaded (429) / NotReady (503)."""
         if self.closed is not None:
             raise NotReady(self.closed, code="shutting_down", retry_after_s=1.0)
-        if not any(replica.ready for replica in self.replicas):
+        if not any(replica.ready for replica in self.replicas) and not self._cold_starting():
             # Why not queue: with nothing ready there is no drain rate to promise a wait
             # from; the client learns it now and when to come back.
             raise NotReady(
@@ -112,6 +116,13 @@ class ModelDispatcher:
         ):
             self._wake.set()  # an earlier deadline than the armed timer: re-arm it
         return ticket
+
+    def _cold_starting(self) -> bool:
+        """Whether a request may wait for a replica that is (about to be) starting."""
+        if self.on_demand is None:
+            return False
+        self.on_demand()
+        return True
 
     def cancel(self, ticket: Ticket) -> None:
         """The client went away: drop it from the queue, or give back its slot."""

@@ -60,13 +60,28 @@ class _GracefulServer(uvicorn.Server):
 def build_gateway(config: TidegateConfig, log_dir: str | None = None) -> tuple[Gateway, list[Any]]:
     """The gateway and its orchestrators, replicas wired to the dispatchers."""
     gateway = Gateway(config, replicas={})
+    runner: Any
+    if config.controller.orchestrator == "ray":
+        from tidegate.control.fleet import ConfiguredFleet
+        from tidegate.control.ray import RayWorkers
+
+        runner = RayWorkers(address=config.controller.ray_address)
+        starter: Any = ConfiguredFleet(config, runner, gateway)
+    else:
+        runner = starter = LocalWorkers(config, on_change=gateway.on_replica_change)
     orchestrators: list[Any] = [
-        LocalWorkers(config, on_change=gateway.on_replica_change),
+        starter,
         UpstreamHealth(config, on_change=gateway.on_replica_change),
     ]
     for orchestrator in orchestrators:
         for replica in orchestrator.replicas:
             gateway.replicas[replica.model].append(replica)
+    if config.devices or any(m.autoscaling is not None and m.local for m in config.models.values()):
+        from tidegate.control.controller import Controller
+
+        gateway.controller = Controller(gateway, runner, config)
+        # First to stop: no scaling decision races the workers' shutdown.
+        orchestrators.insert(0, gateway.controller)
     gateway.orchestrators = orchestrators
     return gateway, orchestrators
 

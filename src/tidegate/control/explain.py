@@ -1,0 +1,71 @@
+"""What ``tidegate explain MODEL`` and ``tidegate defrag --dry-run`` print.
+
+``explain`` asks a running gateway (``GET /admin/autoscaler``) and prints the autoscaler's
+recent decisions for one model with the rule and the numbers behind each. ``defrag`` works
+from a config file alone: it places the configured replicas on the declared devices the way
+``tidegate serve`` does and prints the fewest moves (core ``plan_defrag``) that free whole
+devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from tidegate.config import TidegateConfig
+from tidegate.control.inventory import initial_placement
+from tidegate.core.placement import DefragPlan, plan_defrag
+
+
+def fetch_autoscaler(url: str, key: str | None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.get(f"{url.rstrip('/')}/admin/autoscaler", headers=headers, timeout=10)
+    response.raise_for_status()
+    return dict(response.json())
+
+
+def format_decisions(model: str, state: dict[str, Any], last: int, changes_only: bool) -> str:
+    """The model's autoscaler state and its last ``last`` decisions, newest last."""
+    config = state["config"]
+    lines = [
+        f"{model}: {state['replicas']} replicas ({state['ready_replicas']} ready), "
+        f"desired {state['desired_replicas']}, pool {state['pool']}",
+        f"  target {config['target_per_replica']:g} per ready replica, "
+        f"[{config['min_replicas']}, {config['max_replicas']}], every {config['interval_s']:g}s, "
+        f"scale-down window {config['scale_down_window_s']:g}s"
+        + (", scale to zero" if config["scale_to_zero"] else ""),
+    ]
+    if state.get("draining"):
+        lines.append(f"  draining: {', '.join(state['draining'])}")
+    if state.get("refused"):
+        lines.append(f"  could not place: {state['refused']}")
+    if state.get("panicking"):
+        lines.append("  panic mode: scaling on the short window, not down")
+    decisions = [d for d in state["decisions"] if not changes_only or d["direction"] != "none"][
+        -last:
+    ]
+    if not decisions:
+        lines.append("  no decision yet" if not changes_only else "  no change yet")
+    newest = state["decisions"][-1]["at"] if state["decisions"] else 0.0
+    for d in decisions:
+        lines.append(f"  {d['at'] - newest:+8.1f}s  {d['explain']}")
+    return "\n".join(lines)
+
+
+def plan_config_defrag(config: TidegateConfig) -> tuple[list[str], DefragPlan | None]:
+    """The configured placement (lines) and the moves that would free devices."""
+    if not config.devices:
+        return ["no devices declared: nothing to defragment (declare devices: [...])"], None
+    placement, refused = initial_placement(config)
+    lines = []
+    for device in config.devices:
+        asks = placement.on_device(device.id)
+        used = placement.used_mb(device.id)
+        names = ", ".join(a.replica_id + (" (exclusive)" if a.exclusive else "") for a in asks)
+        lines.append(
+            f"{device.id:<16} {device.node:<10} {used:>8.0f}/{device.memory_mb:.0f} MB  "
+            f"{names or '-'}"
+        )
+    lines.extend(f"refused {r.ask.replica_id}: {r.message}" for r in refused)
+    return lines, plan_defrag(placement, config.devices)
