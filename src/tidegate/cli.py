@@ -84,6 +84,14 @@ def worker(
     max_num_seqs: Annotated[int, typer.Option(min=1, help="Generation: sequences at once.")] = 16,
     profile: Annotated[Path | None, typer.Option(help="Simulated engine: profile.json.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the simulated engine and sampling.")] = 0,
+    memory_fraction: Annotated[
+        float | None,
+        typer.Option(min=0.01, max=1.0, help="CUDA: cap on this process's share of its GPU."),
+    ] = None,
+    probe_max_ms: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="Ready only once a probe request after warm-up is this fast."),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve one replica of one model over the OpenAI HTTP API."""
@@ -102,6 +110,8 @@ def worker(
         max_num_seqs=max_num_seqs,
         profile=str(profile) if profile else None,
         seed=seed,
+        memory_fraction=memory_fraction,
+        probe_max_ms=probe_max_ms,
     )
     raise typer.Exit(serve_worker(settings, host, port, log_level))
 
@@ -155,3 +165,277 @@ def serve(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     raise typer.Exit(serve_gateway(resolved, log_level))
+
+
+@app.command()
+def profile(
+    model: Annotated[
+        str, typer.Option(help="minilm, tiny-llama, a name with --model-path, or as at --url.")
+    ],
+    model_path: Annotated[
+        Path | None, typer.Option(help="Local Hugging Face model folder.")
+    ] = None,
+    url: Annotated[
+        str | None,
+        typer.Option(help="Measure this running OpenAI server (vLLM...): concurrency only."),
+    ] = None,
+    engine: Annotated[
+        EngineKind, typer.Option(help="Engine of the workers it starts.")
+    ] = EngineKind.transformers,
+    sim_profile: Annotated[
+        Path | None, typer.Option(help="Simulated engine: the profile.json it replays.")
+    ] = None,
+    task: Annotated[TaskKind | None, typer.Option(help="Task of a model not built in.")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda:N.")] = "cpu",
+    slo_p95_ms: Annotated[
+        float | None, typer.Option(min=0.0, help="SLO: end-to-end latency p95.")
+    ] = None,
+    slo_ttft_p95_ms: Annotated[
+        float | None, typer.Option(min=0.0, help="SLO (generation): time to first token p95.")
+    ] = None,
+    slo_itl_p95_ms: Annotated[
+        float | None, typer.Option(min=0.0, help="SLO (generation): inter-token latency p95.")
+    ] = None,
+    workload: Annotated[
+        Path | None, typer.Option(help="Trace of token lengths (Azure CSV, Mooncake JSONL).")
+    ] = None,
+    max_batch: Annotated[int, typer.Option(min=1, help="Largest batch size swept.")] = 64,
+    max_concurrency: Annotated[
+        int, typer.Option(min=1, help="Most requests in flight swept.")
+    ] = 64,
+    batch_windows_ms: Annotated[
+        str, typer.Option(help="Batch windows swept at the knee batch, comma-separated.")
+    ] = "0,2,5,10",
+    min_seconds_per_point: Annotated[
+        float, typer.Option(min=0.0, help="Shortest measurement of one point.")
+    ] = 5.0,
+    max_seconds_per_point: Annotated[
+        float, typer.Option(min=0.0, help="Longest; then the point is kept as unstable.")
+    ] = 30.0,
+    max_duration_s: Annotated[
+        float | None, typer.Option(min=0.0, help="Stop the whole run after this long.")
+    ] = None,
+    max_output_tokens: Annotated[
+        int, typer.Option(min=1, help="Generation: output lengths clipped to this.")
+    ] = 256,
+    seed: Annotated[int, typer.Option(help="Seed of the workload and its texts.")] = 0,
+    out: Annotated[Path | None, typer.Option(help="Output folder (default profile-MODEL).")] = None,
+) -> None:
+    """Measure a model's capacity curves and write its profile and operating config."""
+    import shlex
+    import sys
+
+    from tidegate.core.capacity import Slo
+    from tidegate.errors import ConfigError
+    from tidegate.profile import ProfileOptions, run_profile
+
+    try:
+        options = ProfileOptions(
+            model=model,
+            out=out or Path(f"profile-{model}"),
+            model_path=str(model_path) if model_path else None,
+            url=url,
+            engine=engine.value,
+            sim_profile=str(sim_profile) if sim_profile else None,
+            task=task.value if task else None,
+            device=device,
+            slo=Slo(slo_p95_ms, slo_ttft_p95_ms, slo_itl_p95_ms),
+            workload=workload,
+            max_batch=max_batch,
+            max_concurrency=max_concurrency,
+            batch_windows_ms=tuple(float(w) for w in batch_windows_ms.split(",") if w.strip()),
+            min_seconds_per_point=min_seconds_per_point,
+            max_seconds_per_point=max_seconds_per_point,
+            max_duration_s=max_duration_s,
+            max_output_tokens=max_output_tokens,
+            seed=seed,
+            command=shlex.join(["tidegate", *sys.argv[1:]]),
+        )
+    except (ConfigError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(run_profile(options))
+
+
+@app.command()
+def simulate(
+    trace: Annotated[
+        str | None, typer.Option(help="Trace file: Azure CSV, Mooncake JSONL, ServeGen, ours.")
+    ] = None,
+    workload: Annotated[
+        str | None, typer.Option(help="Synthetic: poisson:rate=5,duration_s=600 (docs).")
+    ] = None,
+    config: Annotated[Path | None, typer.Option(help="The tidegate serve YAML config.")] = None,
+    profile: Annotated[
+        str | None, typer.Option(help="profile.json, or perf_model.csv (#MODEL/HW/TP).")
+    ] = None,
+    replicas: Annotated[int | None, typer.Option(min=0, help="Replicas of the model.")] = None,
+    compare: Annotated[
+        str | None, typer.Option(help="Policies side by side, e.g. fifo,priority.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of every random draw.")] = 0,
+    speedup: Annotated[float, typer.Option(min=0.0, help="Same load, time K times shorter.")] = 1.0,
+    rate_scale: Annotated[float, typer.Option(min=0.0, help="Load times F.")] = 1.0,
+    priority_mix: Annotated[
+        str | None, typer.Option(help="high=0.2,medium=0.3,low=0.5 where the trace has none.")
+    ] = None,
+    priority_rules: Annotated[
+        str | None, typer.Option(help="tenant:NAME=high,prompt<256=high,*=low (first match).")
+    ] = None,
+    slo: Annotated[
+        str | None, typer.Option(help="TTFT SLO seconds: high=1,medium=5,low=30.")
+    ] = None,
+    start: Annotated[
+        str,
+        typer.Option(help="Wall time of the workload's start (schedules, forecast), ISO 8601."),
+    ] = "2026-11-30T00:00:00+00:00",
+    out: Annotated[Path, typer.Option(help="Folder of report.json/.md/.png.")] = Path("sim-out"),
+) -> None:
+    """Replay a trace or a synthetic workload through the scheduler's own policies."""
+    from tidegate.errors import ConfigError
+    from tidegate.sim import SimulateOptions, write_outputs
+    from tidegate.sim import simulate as run_simulation
+    from tidegate.sim.report import terminal
+
+    options = SimulateOptions(
+        trace=trace,
+        workload=workload,
+        config=str(config) if config else None,
+        profile=profile,
+        replicas=replicas,
+        compare=tuple(name.strip() for name in (compare or "").split(",") if name.strip()),
+        seed=seed,
+        speedup=speedup,
+        rate_scale=rate_scale,
+        priority_mix=priority_mix,
+        priority_rules=priority_rules,
+        slo=slo,
+        start=start,
+    )
+    try:
+        results, report = run_simulation(options)
+    except (ConfigError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(terminal(report))
+    for path in write_outputs(out, results, report):
+        typer.echo(f"wrote {path}")
+
+
+k8s_app = typer.Typer(
+    help="Kubernetes: manifests, and the workers' drain hook.", no_args_is_help=True
+)
+app.add_typer(k8s_app, name="k8s")
+
+
+@k8s_app.command("render")
+def k8s_render(
+    config: Annotated[
+        Path | None, typer.Option(help="YAML config; none: embedded default.")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Folder for one file per kind; none: stdout.")
+    ] = None,
+    image: Annotated[str | None, typer.Option(help="Container image with tidegate.")] = None,
+    namespace: Annotated[str, typer.Option(help="Namespace of every object.")] = "default",
+    keda: Annotated[bool, typer.Option(help="KEDA ScaledObjects instead of HPAs.")] = False,
+    prometheus_url: Annotated[
+        str | None, typer.Option(help="Prometheus that KEDA asks (with --keda).")
+    ] = None,
+    gateway_replicas: Annotated[int, typer.Option(min=1, help="Gateway copies.")] = 2,
+) -> None:
+    """Write Deployments, Services, PDBs, HPAs (or KEDA) and the gateway for a config."""
+    import dataclasses
+
+    from tidegate.config import load_config
+    from tidegate.control.k8s import RenderOptions, render_manifests, write_manifests
+    from tidegate.errors import ConfigError
+
+    options = RenderOptions(namespace=namespace, keda=keda, gateway_replicas=gateway_replicas)
+    options = dataclasses.replace(
+        options,
+        image=image or options.image,
+        prometheus_url=prometheus_url or options.prometheus_url,
+    )
+    try:
+        manifests = render_manifests(load_config(config), options)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for note in manifests.notes:
+        typer.echo(f"note: {note}", err=True)
+    if out is None:
+        typer.echo(manifests.to_yaml(), nl=False)
+        return
+    for path in write_manifests(manifests, out):
+        typer.echo(f"wrote {path}")
+
+
+@k8s_app.command("drain")
+def k8s_drain(
+    url: Annotated[str, typer.Option(help="The worker's root URL.")] = "http://127.0.0.1:8080",
+    timeout_s: Annotated[float, typer.Option(min=0.0, help="Longest wait.")] = 30.0,
+) -> None:
+    """A worker pod's preStop hook: drain it, wait for what runs (never fails)."""
+    from tidegate.control.k8s import drain_worker
+
+    typer.echo(drain_worker(url, timeout_s))
+
+
+@app.command()
+def explain(
+    model: Annotated[str, typer.Argument(help="An autoscaled model of the running gateway.")],
+    url: Annotated[str, typer.Option(help="The gateway.")] = "http://127.0.0.1:8000",
+    key: Annotated[
+        str | None, typer.Option(envvar="TIDEGATE_ADMIN_KEY", help="Admin key, when keys are set.")
+    ] = None,
+    last: Annotated[int, typer.Option(min=1, help="How many decisions to show.")] = 20,
+    all_decisions: Annotated[
+        bool, typer.Option("--all", help="Show holds too, not only changes.")
+    ] = False,
+) -> None:
+    """Why a model has the replicas it has: the autoscaler's recent decisions and their rules."""
+    import httpx
+
+    from tidegate.control.explain import fetch_autoscaler, format_decisions
+
+    try:
+        models = fetch_autoscaler(url, key)["models"]
+    except httpx.HTTPError as exc:
+        typer.echo(f"error: cannot ask {url}/admin/autoscaler: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if model not in models:
+        known = ", ".join(models) or "none"
+        typer.echo(f"error: {model} is not autoscaled here; autoscaled: {known}", err=True)
+        raise typer.Exit(1)
+    typer.echo(format_decisions(model, models[model], last, changes_only=not all_decisions))
+
+
+@app.command()
+def defrag(
+    config: Annotated[Path, typer.Option(help="YAML config with declared devices.")],
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan (the only mode offline).")
+    ] = False,
+) -> None:
+    """Print where the configured replicas go and the fewest moves that free whole GPUs."""
+    from tidegate.config import load_config
+    from tidegate.control.explain import plan_config_defrag
+    from tidegate.errors import ConfigError
+
+    if not dry_run:
+        typer.echo(
+            "error: from the command line only --dry-run; a running gateway executes moves "
+            "(make-before-break, in its off-peak window)",
+            err=True,
+        )
+        raise typer.Exit(2)
+    try:
+        resolved = load_config(config, {})
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    lines, plan = plan_config_defrag(resolved)
+    typer.echo("\n".join(lines))
+    if plan is not None:
+        typer.echo("\n".join(plan.describe()))
