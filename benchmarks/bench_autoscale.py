@@ -180,7 +180,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "minilm",
             service,
             workload,
-            {"shared": 2},
+            # Static peak runs its whole fleet from the start (a static controller only
+            # replaces replicas; it would otherwise spend its first period on 2); the
+            # autoscalers start from their floor and scale as the midnight load asks.
+            {"shared": args.peak_replicas if variant == "static-peak" else 2},
             label=variant,
             controller=variant,
             lifecycle=compress_lifecycle(LIFECYCLE, args.speedup),
