@@ -18,6 +18,9 @@ log = logging.getLogger("tidegate")
 T = TypeVar("T")
 
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away
+
+
 class ClientGone(Exception):
     """The client closed the connection before the response was ready."""
 
@@ -40,12 +43,20 @@ def install_error_handlers(app: FastAPI) -> None:
         body["error"]["type"] = "invalid_request_error" if exc.status_code < 500 else "error"
         return JSONResponse(body, exc.status_code, headers=exc.headers)
 
+    async def on_client_gone(request: Request, exc: Exception) -> JSONResponse:
+        # Not an error of ours: the request is already counted as cancelled, and nobody
+        # reads this answer (499, as nginx logs a client that closed the connection).
+        log.debug("client went away during %s %s", request.method, request.url.path)
+        error = TidegateError("the client closed the connection", code="client_closed_request")
+        return JSONResponse(error.body(), CLIENT_CLOSED_REQUEST)
+
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return error_response(TidegateError(f"internal error: {type(exc).__name__}"))
 
     app.add_exception_handler(TidegateError, on_tidegate_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(ClientGone, on_client_gone)
     app.add_exception_handler(Exception, on_unexpected)
 
 
