@@ -157,7 +157,7 @@ def worker_command(settings: WorkerSettings, log_level: str = "info") -> list[st
     return args
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
+def parent_death_signal() -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the child get SIGTERM when its parent dies (Linux only)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -535,7 +535,7 @@ class LocalWorkers:
                 stderr=stderr,
                 env=slot.env,
                 start_new_session=True,  # its own process group: stopped as a whole
-                preexec_fn=_parent_death_signal(),
+                preexec_fn=parent_death_signal(),
             )
         finally:
             if stderr is not None:

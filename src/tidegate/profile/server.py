@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import aiohttp
 
-from tidegate.control.local import _parent_death_signal, device_env, worker_command
+from tidegate.control.local import device_env, parent_death_signal, worker_command
 from tidegate.errors import ReplicaFailed
 from tidegate.worker.runtime import WorkerSettings
 
@@ -101,7 +101,7 @@ class LocalWorker:
                 stderr=stderr,
                 env=env,
                 start_new_session=True,  # its own process group: stopped as a whole
-                preexec_fn=_parent_death_signal(),
+                preexec_fn=parent_death_signal(),
             )
             worker = cls(process, "", stderr)
             try:
