@@ -18,7 +18,7 @@ from tidegate.config import parse_config
 from tidegate.control.controller import Controller
 from tidegate.control.orchestrator import ReplicaSpec
 from tidegate.core.request import Request
-from tidegate.gateway.app import Gateway
+from tidegate.gateway.state import Gateway
 from tidegate.gateway.replicas import Replica, ReplicaState
 
 

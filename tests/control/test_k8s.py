@@ -26,7 +26,7 @@ import yaml
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from tests.procs import wait_for, worker_process
+from tests.procs import DEADLINE_S, wait_for, worker_process
 from tidegate.cli import app
 from tidegate.config import TidegateConfig, load_config, parse_config
 from tidegate.control import k8s_scaling
@@ -42,7 +42,7 @@ from tidegate.core.autoscale import (
     replay_scale,
 )
 from tidegate.errors import ConfigError, NotReady
-from tidegate.gateway.app import _outcome_of
+from tidegate.gateway.forward import outcome_of as _outcome_of
 from tidegate.metrics import GatewayMetrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -860,7 +860,10 @@ def test_drain_hook_lets_a_running_batch_finish(tmp_path: Path) -> None:
         "--max-batch-size",
         "8",
     ) as worker:
-        with httpx.Client(timeout=30) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with (
+            httpx.Client(timeout=DEADLINE_S) as client,
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+        ):
             answer = pool.submit(
                 client.post, f"{worker.url}/v1/embeddings", json={"model": "sim", "input": "a"}
             )
@@ -869,5 +872,5 @@ def test_drain_hook_lets_a_running_batch_finish(tmp_path: Path) -> None:
             said = drain_worker(worker.url, 30.0, poll_s=0.05)
             assert answer.result().status_code == 200
         assert said == "drained: 0 handed back to the gateway, nothing in flight"
-        readyz = httpx.get(f"{worker.url}/readyz", timeout=5)
+        readyz = httpx.get(f"{worker.url}/readyz", timeout=DEADLINE_S)
         assert (readyz.status_code, readyz.json()["status"]) == (503, "draining")

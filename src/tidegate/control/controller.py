@@ -66,7 +66,7 @@ from tidegate.core.placement import (
     place,
     plan_defrag,
 )
-from tidegate.gateway.app import Gateway
+from tidegate.gateway.state import Gateway
 from tidegate.gateway.replicas import Replica, ReplicaState
 
 log = logging.getLogger("tidegate.controller")

@@ -14,7 +14,7 @@ import logging
 
 from tidegate.config import TidegateConfig
 from tidegate.control.orchestrator import Orchestrator, ReplicaSpec
-from tidegate.gateway.app import Gateway
+from tidegate.gateway.state import Gateway
 from tidegate.gateway.replicas import Replica
 
 log = logging.getLogger("tidegate.control")

@@ -1,0 +1,49 @@
+"""Who is asking, and at which priority: API keys (class and cap) and the asked level.
+
+A request may lower its own priority, never raise it above its key's cap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from tidegate.config import KeySpec, TidegateConfig
+from tidegate.errors import InvalidRequest, PriorityForbidden, Unauthorized
+
+
+def authenticate(config: TidegateConfig, request: Request) -> KeySpec | None:
+    if config.open_service:
+        return None
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("an API key is required: Authorization: Bearer <key>")
+    key = config.key_for(token.strip())
+    if key is None:
+        raise Unauthorized("invalid API key")
+    return key
+
+
+def requested_level(
+    config: TidegateConfig, key: KeySpec | None, request: Request, payload: dict[str, Any]
+) -> int:
+    asked: Any = request.headers.get("x-priority")
+    if asked is None:
+        asked = payload.get("priority")
+    default = key.default_level if key else config.default_level
+    if asked is None:
+        return default
+    if isinstance(asked, bool) or not isinstance(asked, str | int):
+        raise InvalidRequest("priority must be a level name or index", param="priority")
+    try:
+        level = config.parse_priority(asked)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="priority") from None
+    if key is not None and level < key.max_level:
+        raise PriorityForbidden(
+            f"key {key.name} may ask for {key.max_priority} at most, not {asked}",
+            param="priority",
+        )
+    return level

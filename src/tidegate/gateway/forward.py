@@ -1,0 +1,298 @@
+"""The proxy loop of one request: admit, wait for a slot, forward, pass the answer through.
+
+Per request: authenticate (API key → class and cap), read only the fields the scheduler
+needs (model, stream, priority, a token estimate), submit to the model's dispatcher (429
+with Retry-After when refused), wait for a replica slot (504 on queue timeout, cancelled
+when the client goes away), forward (retry once on another replica if nothing reached the
+first), pass the answer through. Every request ends in exactly one counted outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from tidegate.asgi import (
+    SSE_DONE,
+    ClientGone,
+    error_response,
+    json_body,
+    sse,
+    unless_disconnected,
+)
+from tidegate.core.request import Request as CoreRequest
+from tidegate.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    NotReady,
+    PromptTooLong,
+    ReplicaFailed,
+    TidegateError,
+)
+from tidegate.gateway.auth import authenticate, requested_level
+from tidegate.gateway.dispatcher import ModelDispatcher, Ticket
+from tidegate.gateway.proxy import ConnectFailed, Forwarded, forward
+from tidegate.gateway.replicas import Replica
+from tidegate.gateway.state import Gateway
+
+log = logging.getLogger("tidegate.gateway")
+WORKER_LEVELS = ("high", "medium", "low")  # the worker's local queue levels
+TASK_OF_PATH = {
+    "/v1/embeddings": "embeddings",
+    "/v1/completions": "generate",
+    "/v1/chat/completions": "generate",
+}
+
+
+@dataclass
+class _Call:
+    """What the gateway knows about one request while it is in flight."""
+
+    rid: str
+    model: str = "-"
+    priority: str = "none"
+    outcome: str | None = None
+    started: float = field(default_factory=time.monotonic)
+    queue_s: float = 0.0
+
+    def headers(self) -> dict[str, str]:
+        return {"X-Request-Id": self.rid, "X-Tidegate-Queue-Ms": f"{self.queue_s * 1e3:.1f}"}
+
+
+async def proxy_request(gateway: Gateway, request: Request) -> Response:
+    call = _Call(rid=request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}")
+    try:
+        response = await _admit_and_forward(gateway, request, call)
+    except ClientGone:
+        call.outcome = call.outcome or "cancelled"
+        response = Response(status_code=499)
+    except TidegateError as exc:
+        call.outcome = call.outcome or outcome_of(exc)
+        response = error_response(exc, call.headers())
+    except asyncio.CancelledError:  # the server is cancelling this handler
+        call.outcome = call.outcome or "cancelled"
+        _count(gateway, call)
+        raise
+    except Exception:  # a bug: the error handler answers 500; the outcome is still counted
+        call.outcome = "failed"
+        _count(gateway, call)
+        raise
+    if call.outcome != "streaming":  # a stream counts its outcome when it ends
+        _count(gateway, call)
+    return response
+
+
+def outcome_of(exc: TidegateError) -> str:
+    if exc.code == "shutting_down":
+        return "shutdown"
+    if exc.status in (400, 401, 403, 404, 413):
+        return "invalid"
+    if exc.status == 429:
+        return exc.code or "rejected_full"
+    if exc.status == 504:
+        return "expired"
+    if exc.status == 503:
+        return "rejected_unavailable"
+    return "failed"
+
+
+def _count(gateway: Gateway, call: _Call) -> None:
+    gateway.metrics.requests.labels(call.model, call.priority, call.outcome).inc()
+
+
+async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) -> Response:
+    config = gateway.config
+    key = authenticate(config, request)
+    if gateway.shutting_down:
+        raise NotReady("the gateway is shutting down", code="shutting_down")
+    raw = await request.body()
+    if len(raw) > config.gateway.max_request_bytes:
+        raise PromptTooLong(
+            f"request body of {len(raw)} bytes is over the limit of "
+            f"{config.gateway.max_request_bytes}"
+        )
+    payload = await json_body(request)
+    if not isinstance(payload, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("model: a model name is required", param="model")
+    if model not in gateway.dispatchers:
+        raise ModelNotFound(f"model {model!r} does not exist; see /v1/models", param="model")
+    call.model = model
+    task = TASK_OF_PATH[request.url.path]
+    spec = config.model(model)
+    if spec.task != task:
+        other = "/v1/embeddings" if spec.task == "embeddings" else "/v1/chat/completions"
+        raise InvalidRequest(
+            f"model {model} is a {spec.task} model; use {other}", param="model", code="wrong_task"
+        )
+    level = requested_level(config, key, request, payload)
+    call.priority = config.level_names[level] if not config.fifo else "fifo"
+    stream = payload.get("stream") is True
+    dispatcher = gateway.dispatchers[model]
+    core = CoreRequest(call.rid, model, level, call.started, None, estimate_tokens(payload))
+    # The gateway's own field is not forwarded: some OpenAI-compatible servers refuse it.
+    body = (
+        raw
+        if "priority" not in payload
+        else json.dumps({k: v for k, v in payload.items() if k != "priority"}).encode()
+    )
+    ticket = dispatcher.submit(core)  # raises 429 / 503
+    worker_level = WORKER_LEVELS[min(level, len(WORKER_LEVELS) - 1)]
+    headers = {
+        "content-type": "application/json",
+        "x-tidegate-priority": worker_level,
+        "x-request-id": call.rid,
+    }
+    connect_failures = 0
+    while True:
+        replica = await _wait_for_slot(dispatcher, request, ticket, call)
+        try:
+            forwarded = await _send(gateway, replica, request, body, headers, stream, call)
+        except ConnectFailed as exc:
+            connect_failures += 1
+            if connect_failures > 1:
+                dispatcher.release(replica, completed=False)
+                call.outcome = "failed"
+                raise ReplicaFailed(f"{model}: {exc}") from exc
+            log.warning("%s: retrying on another replica: %s", call.rid, exc)
+            gateway.metrics.retries.labels(model).inc()
+            ticket = dispatcher.retry(ticket, replica)
+            continue
+        except BaseException as exc:
+            dispatcher.release(replica, completed=False)
+            call.outcome = (
+                "cancelled" if isinstance(exc, ClientGone | asyncio.CancelledError) else "failed"
+            )
+            raise
+        if _handed_back(forwarded):
+            # A draining replica returned it unstarted: it goes back to the front of its
+            # level in the gateway's queue, for another replica. Not a failure, no limit:
+            # each replica drains once.
+            log.info("%s: handed back by draining replica %s", call.rid, replica.id)
+            ticket = dispatcher.retry(ticket, replica)
+            continue
+        return _respond(gateway, dispatcher, replica, forwarded, call)
+
+
+def _handed_back(forwarded: Forwarded) -> bool:
+    """A 503 ``draining`` answer: the replica did not start the request."""
+    if forwarded.status != 503 or forwarded.body is None:
+        return False
+    try:
+        error = json.loads(forwarded.body).get("error", {})
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "draining"
+
+
+async def _wait_for_slot(
+    dispatcher: ModelDispatcher, request: Request, ticket: Ticket, call: _Call
+) -> Replica:
+    try:
+        replica = await unless_disconnected(request, asyncio.shield(ticket.assigned))
+    except (ClientGone, asyncio.CancelledError):
+        # The client went away, or the server cancelled this handler: either way the
+        # request must leave the queue (or give back the slot it was just handed).
+        dispatcher.cancel(ticket)
+        call.outcome = "cancelled"
+        raise
+    call.queue_s = time.monotonic() - call.started
+    dispatcher.metrics.request_duration.labels(call.model, call.priority, "queue").observe(
+        call.queue_s
+    )
+    return replica
+
+
+async def _send(
+    gateway: Gateway,
+    replica: Replica,
+    request: Request,
+    body: bytes,
+    headers: dict[str, str],
+    stream: bool,
+    call: _Call,
+) -> Forwarded:
+    assert gateway.client is not None
+    url = f"{replica.url}{request.url.path}"
+    observe = gateway.metrics.request_duration.labels(call.model, call.priority, "ttft").observe
+    work = forward(
+        gateway.client,
+        url,
+        body,
+        headers,
+        stream=stream,
+        on_first_byte=lambda at: observe(at - call.started),
+    )
+    return await unless_disconnected(request, work)
+
+
+def _respond(
+    gateway: Gateway,
+    dispatcher: ModelDispatcher,
+    replica: Replica,
+    forwarded: Forwarded,
+    call: _Call,
+) -> Response:
+    headers = {**forwarded.headers, **call.headers()}
+    e2e = gateway.metrics.request_duration.labels(call.model, call.priority, "e2e").observe
+    if forwarded.chunks is None:
+        dispatcher.release(replica, completed=forwarded.status < 500)
+        call.outcome = (
+            "completed"
+            if forwarded.status < 400
+            else ("invalid" if forwarded.status < 500 else "failed")
+        )
+        e2e(time.monotonic() - call.started)
+        return Response(forwarded.body, forwarded.status, headers=headers)
+
+    chunks = forwarded.chunks
+
+    async def passthrough() -> AsyncIterator[bytes]:
+        outcome = "cancelled"  # unless the stream runs to its end
+        try:
+            async for chunk in chunks:
+                yield chunk
+            outcome = "completed"
+        except ReplicaFailed as exc:
+            outcome = "failed"
+            log.warning("%s: %s", call.rid, exc)
+            yield sse(exc.body())
+            yield SSE_DONE
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+            dispatcher.release(replica, completed=outcome == "completed")
+            call.outcome = outcome
+            e2e(time.monotonic() - call.started)
+            _count(gateway, call)
+
+    call.outcome = "streaming"  # counted when the stream ends, not now
+    return StreamingResponse(
+        passthrough(), forwarded.status, headers=headers, media_type="text/event-stream"
+    )
+
+
+def estimate_tokens(payload: dict[str, Any]) -> int:
+    """A cheap token estimate for queue budgets: four characters per token, plus output."""
+    chars = 0
+    for field_name in ("input", "prompt"):
+        value = payload.get(field_name)
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, list):
+            chars += sum(len(v) for v in value if isinstance(v, str))
+    for message in payload.get("messages") or []:
+        if isinstance(message, dict) and isinstance(message.get("content"), str):
+            chars += len(message["content"])
+    max_tokens = payload.get("max_tokens") or payload.get("max_completion_tokens") or 0
+    return chars // 4 + (max_tokens if isinstance(max_tokens, int) else 0) + 1

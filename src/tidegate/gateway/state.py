@@ -1,0 +1,145 @@
+"""The gateway's state: config, one dispatcher per model, the replicas, the client to them.
+
+The dispatchers own the queues (one task each); this object starts and stops them with the
+orchestrators, and offers the waits that shutdown and scale-in need (idle, a replica idle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from tidegate.config import TidegateConfig
+from tidegate.errors import NotReady
+from tidegate.gateway.dispatcher import ModelDispatcher
+from tidegate.gateway.proxy import replica_client
+from tidegate.gateway.replicas import Replica
+from tidegate.metrics import GatewayMetrics
+
+log = logging.getLogger("tidegate.gateway")
+
+
+@dataclass
+class Gateway:
+    """The gateway's state: config, one dispatcher per model, the client to replicas."""
+
+    config: TidegateConfig
+    replicas: dict[str, list[Replica]]
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    dispatchers: dict[str, ModelDispatcher] = field(default_factory=dict)
+    client: aiohttp.ClientSession | None = None
+    shutting_down: bool = False
+    orchestrators: list[Any] = field(default_factory=list)  # start() / stop() replicas
+    controller: Any = None  # control.controller.Controller when a model is autoscaled
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _release_waiters: set[asyncio.Event] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        pools = self.config.pool_specs()
+        for name in self.config.models:
+            self.replicas.setdefault(name, [])
+            self.dispatchers[name] = ModelDispatcher(
+                name,
+                self.config.queue_config(name),
+                pools,
+                self.replicas[name],
+                self.metrics,
+                on_release=self._released,
+            )
+
+    def _released(self) -> None:
+        self._changed.set()
+        for waiter in self._release_waiters:
+            waiter.set()
+
+    def on_replica_change(self, replica: Replica) -> None:
+        log.info("replica %s: %s %s", replica.id, replica.state.value, replica.detail)
+        dispatcher = self.dispatchers.get(replica.model)
+        if dispatcher is not None:
+            dispatcher.wake()
+
+    def add_replica(self, replica: Replica) -> None:
+        """A replica the controller started: routed to once it is READY."""
+        self.replicas[replica.model].append(replica)
+        self.dispatchers[replica.model].wake()
+
+    def remove_replica(self, replica: Replica) -> None:
+        """A replica the controller stopped (drained first): forget it."""
+        replicas = self.replicas[replica.model]
+        if replica in replicas:
+            replicas.remove(replica)
+        self.dispatchers[replica.model].wake()
+
+    async def start(self) -> None:
+        """Dispatchers first, then the replicas in the background: the gateway is live at
+        once and routes to each replica as soon as it is ready."""
+        self.client = replica_client()
+        for dispatcher in self.dispatchers.values():
+            self._tasks.append(asyncio.create_task(dispatcher.run(), name=dispatcher.model))
+        for orchestrator in self.orchestrators:
+            self._tasks.append(asyncio.create_task(orchestrator.start(), name="replicas"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for orchestrator in self.orchestrators:
+            await orchestrator.stop()
+        if self.client is not None:
+            await self.client.close()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is queued or in flight, for at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_pending():
+            self._changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+        return True
+
+    async def wait_replica_idle(self, replica: Replica, timeout_s: float) -> bool:
+        """Wait until nothing is in flight on ``replica``, for at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        released = asyncio.Event()
+        self._release_waiters.add(released)
+        try:
+            while replica.in_flight > 0:
+                released.clear()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(released.wait(), left)
+            return True
+        finally:
+            self._release_waiters.discard(released)
+
+    def num_pending(self) -> int:
+        return sum(len(d.queue) + d.num_in_flight() for d in self.dispatchers.values())
+
+    def close_admission(self, reason: str) -> None:
+        self.shutting_down = True
+        for dispatcher in self.dispatchers.values():
+            dispatcher.closed = reason
+
+    def fail_queued(self) -> int:
+        error = NotReady("the gateway is shutting down", code="shutting_down")
+        return sum(d.fail_all(error) for d in self.dispatchers.values())
+
+    def ready_models(self) -> list[str]:
+        """Models that take requests: a replica is ready, or one cold-starts on demand."""
+        return [
+            m
+            for m, rs in self.replicas.items()
+            if any(r.ready for r in rs) or self.dispatchers[m].on_demand is not None
+        ]
