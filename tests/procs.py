@@ -1,4 +1,8 @@
-"""Real processes for end-to-end tests: started on loopback, always cleaned up."""
+"""Real processes for end-to-end tests: started on loopback, always cleaned up.
+
+Every wait here is for an event or a condition, bounded by a deadline that a busy machine
+(other work on every core) stays far below: reaching one means the event never came.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from pathlib import Path
 import httpx
 
 TIDEGATE = str(Path(sys.executable).with_name("tidegate"))
+DEADLINE_S = 60.0  # for what takes a second or less on an idle machine
 
 
 @dataclass
@@ -23,7 +28,7 @@ class Proc:
     process: subprocess.Popen[str]
 
     def stats(self) -> dict[str, object]:
-        return httpx.get(f"{self.url}/stats", timeout=5).json()  # type: ignore[no-any-return]
+        return httpx.get(f"{self.url}/stats", timeout=DEADLINE_S).json()  # type: ignore[no-any-return]
 
 
 def child_env() -> dict[str, str]:
@@ -107,7 +112,7 @@ def stop(process: subprocess.Popen[str]) -> None:
         process.stdout.close()
 
 
-def wait_for(predicate: object, timeout_s: float = 10.0, interval_s: float = 0.05) -> None:
+def wait_for(predicate: object, timeout_s: float = DEADLINE_S, interval_s: float = 0.05) -> None:
     """Poll a condition in a test (never in product code), bounded in time."""
     assert callable(predicate)
     deadline = time.monotonic() + timeout_s

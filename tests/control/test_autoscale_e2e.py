@@ -1,17 +1,21 @@
 """Autoscaling end to end: ``tidegate serve`` with simulated workers under a burst.
 
 A real gateway process starts real worker processes; a burst of concurrent requests makes
-the controller scale up within a few control periods; once the burst ends, the replicas go
-back down only after the scale-down window, and every request of the whole run — including
-those in flight on the replicas being drained — gets a 200.
+the controller scale up; once the burst ends, the replicas go back down only after the
+scale-down window, and every request of the whole run — including those in flight on the
+replicas being drained — gets a 200.
+
+The test waits for what it needs (replica counts, requests served, drains done) with
+generous deadlines, and checks the window on the gateway's own decisions: a busy machine
+makes everything slower, never a check fail.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.procs import TIDEGATE, gateway_process, wait_for
+from tests.procs import DEADLINE_S, TIDEGATE, gateway_process, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -94,10 +98,14 @@ class _Load:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=30)
+            thread.join(timeout=DEADLINE_S)
+
+    def served(self) -> int:
+        with self._lock:
+            return self.statuses.total()
 
     def _run(self) -> None:
-        with httpx.Client(timeout=30) as client:
+        with httpx.Client(timeout=DEADLINE_S) as client:
             while not self._stop.is_set():
                 response = client.post(
                     f"{self.url}/v1/embeddings", json={"model": "sim", "input": "tide"}
@@ -109,39 +117,62 @@ class _Load:
 
 
 def _autoscaler(url: str) -> dict[str, Any]:
-    return httpx.get(f"{url}/admin/autoscaler", timeout=5).json()["models"]["sim"]
+    return httpx.get(f"{url}/admin/autoscaler", timeout=DEADLINE_S).json()["models"]["sim"]
 
 
 def _ready(url: str) -> int:
     return int(_autoscaler(url)["ready_replicas"])
 
 
+def _metrics(url: str) -> str:
+    return httpx.get(f"{url}/metrics", timeout=DEADLINE_S).text
+
+
+def _recommended(decision: dict[str, Any]) -> int:
+    """The recommendation a decision recorded for the stabilization windows (0: none, as a
+    hold on a stale signal records none)."""
+    found = re.search(r"recommended (\d+)", decision["explain"])
+    return 0 if found is None else int(found.group(1))
+
+
+def _held_for_the_window(decisions: list[dict[str, Any]]) -> float:
+    """Seconds (gateway clock) from the last recommendation of 3 or more to the first
+    scale-down: the scale-down window, however slowly the machine ran."""
+    first_down = next(i for i, d in enumerate(decisions) if d["direction"] == "down")
+    last_high = max(i for i in range(first_down) if _recommended(decisions[i]) >= 3)
+    return float(decisions[first_down]["at"] - decisions[last_high]["at"])
+
+
 def test_burst_scales_up_then_down_after_the_window_and_loses_nothing(tmp_path: Path) -> None:
     with gateway_process("--config", str(_config(tmp_path))) as gateway:
         assert _autoscaler(gateway.url)["replicas"] == 1
         with _Load(gateway.url, clients=16) as burst:
-            # 16 in flight on one replica: 4x the target. Up within a few periods.
-            wait_for(lambda: _autoscaler(gateway.url)["replicas"] == 3, timeout_s=5)
-            wait_for(lambda: _ready(gateway.url) == 3, timeout_s=30)
-            time.sleep(2)  # served by three replicas for a while
-        calm_at = time.monotonic()
+            # 16 in flight on one replica: 4x the target.
+            wait_for(lambda: _autoscaler(gateway.url)["replicas"] == 3, timeout_s=DEADLINE_S)
+            wait_for(lambda: _ready(gateway.url) == 3, timeout_s=2 * DEADLINE_S)
+            served = burst.served()  # served by three replicas for a while
+            wait_for(lambda: burst.served() >= served + 100, timeout_s=2 * DEADLINE_S)
         with _Load(gateway.url, clients=2) as trickle:  # in flight during the scale-in
-            wait_for(lambda: _autoscaler(gateway.url)["replicas"] == 1, timeout_s=30)
-            went_down_after_s = time.monotonic() - calm_at
-            time.sleep(1)
+            wait_for(lambda: _autoscaler(gateway.url)["replicas"] == 1, timeout_s=2 * DEADLINE_S)
+            served = trickle.served()  # and after it, on the one replica left
+            wait_for(lambda: trickle.served() >= served + 10, timeout_s=DEADLINE_S)
+        # A drain ends when the replica's process has stopped: wait for both to be counted.
+        drained = 'tidegate_drain_seconds_count{model="sim"} 2.0'
+        wait_for(lambda: drained in _metrics(gateway.url), timeout_s=DEADLINE_S)
         state = _autoscaler(gateway.url)
-        metrics = httpx.get(f"{gateway.url}/metrics").text
+        metrics = _metrics(gateway.url)
         explained = subprocess.run(
             [TIDEGATE, "explain", "sim", "--url", gateway.url],
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=DEADLINE_S,
             check=True,
         ).stdout
     assert "sim: 1 replicas (1 ready), desired 1, pool shared" in explained
-    assert "1 -> 3 up (" in explained
+    # Up to 3 (in one step, or two when a period saw the burst only half arrived).
+    assert "-> 3 up (" in explained
     assert "down (" in explained
-    assert went_down_after_s >= DOWN_WINDOW_S - INTERVAL_S
+    assert _held_for_the_window(state["decisions"]) >= DOWN_WINDOW_S - 0.01  # "at" is rounded
     assert burst.errors == []
     assert trickle.errors == []
     assert set(burst.statuses) == {200}
@@ -156,4 +187,4 @@ def test_burst_scales_up_then_down_after_the_window_and_loses_nothing(tmp_path: 
     assert 'tidegate_desired_replicas{model="sim"} 1.0' in metrics
     # The configured replica and the two the burst added.
     assert 'tidegate_cold_start_seconds_count{model="sim"} 3.0' in metrics
-    assert 'tidegate_drain_seconds_count{model="sim"} 2.0' in metrics
+    assert drained in metrics

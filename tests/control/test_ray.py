@@ -5,6 +5,10 @@ one GPU of ``NODE_MEMORY_MB`` (``gpu_mem_mb``) in pool ``shared`` and one CPU. N
 used: workers run the simulated engine, and Ray only accounts the declared resources. One
 cluster serves the module (starting one takes seconds); the test that loses a node adds that
 node first, so the others always see three.
+
+Placements, start-ups and Ray's resource view take seconds, more on a busy machine: tests wait
+for them with generous deadlines (``DEADLINE_S``). Only a placement that can never succeed
+is given a short one, to see it refused.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 
-from tests.control.test_local import Changes
+from tests.control.test_local import DEADLINE_S, Changes
 from tests.gateway.harness import flat_profile
 from tidegate.config import parse_config
 from tidegate.control.orchestrator import ReplicaSpec
@@ -165,27 +169,42 @@ def cluster() -> Iterator[Cluster]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# A soft spread gives up its preferred nodes after this: short, for the tests where no node
+# is free of the model; a test that needs the spread raises it (``spread_over_nodes``).
+SPREAD_WAIT_S = 1.0
+
+
 @pytest_asyncio.fixture
 async def workers(cluster: Cluster) -> AsyncIterator[RayWorkers]:
     orchestrator = RayWorkers(
         address=None,
         cpus_per_replica=0,
-        place_timeout_s=3,
-        spread_wait_s=1,
-        ready_timeout_s=60,
+        place_timeout_s=DEADLINE_S,
+        spread_wait_s=SPREAD_WAIT_S,
+        ready_timeout_s=DEADLINE_S,
         max_backoff_s=2,
-        close_timeout_s=5,
+        close_timeout_s=30,
     )
     try:
         yield orchestrator
     finally:
-        async with asyncio.timeout(60):  # a hung stop fails the test instead of blocking
+        async with asyncio.timeout(DEADLINE_S):  # a hung stop fails the test, not blocks
             await orchestrator.close()
     free = await settled(lambda: ray.available_resources().get("gpu_mem_mb") == 3 * NODE_MEMORY_MB)
     assert free, f"resources left reserved: {ray.available_resources()}"
 
 
-async def settled(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+@contextlib.contextmanager
+def spread_over_nodes(workers: RayWorkers) -> Iterator[None]:
+    """Placements inside wait for a node without the model as long as any placement may."""
+    workers.spread_wait_s = workers.place_timeout_s
+    try:
+        yield
+    finally:
+        workers.spread_wait_s = SPREAD_WAIT_S
+
+
+async def settled(predicate: Callable[[], bool], timeout_s: float = DEADLINE_S) -> bool:
     """Ask ``predicate`` until it holds (Ray's resource view lags a little); False on timeout."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(timeout_s):
@@ -208,7 +227,7 @@ async def start_all(
     workers: RayWorkers, specs: list[ReplicaSpec], changes: Changes
 ) -> list[Replica]:
     replicas = await asyncio.gather(*(workers.start_replica(s, changes) for s in specs))
-    await changes.until(lambda: all(replica.ready for replica in replicas), 60)
+    await changes.until(lambda: all(replica.ready for replica in replicas))
     return list(replicas)
 
 
@@ -219,14 +238,15 @@ async def test_replicas_of_one_model_spread_over_nodes_and_serve(
     workers: RayWorkers, cluster: Cluster
 ) -> None:
     changes = Changes()
-    replicas = await start_all(workers, [spec(f"sim-{i}", 300) for i in range(3)], changes)
+    with spread_over_nodes(workers):
+        replicas = await start_all(workers, [spec(f"sim-{i}", 300) for i in range(3)], changes)
     nodes = [workers.node_of(replica.id) for replica in replicas]
     assert len(set(nodes)) == 3  # one per node
     assert set(nodes) == {node["NodeID"] for node in ray.nodes() if node["Alive"]}
     assert workers.list_replicas() == replicas
     reserved = 3 * NODE_MEMORY_MB - 900
     assert await settled(lambda: ray.available_resources().get("gpu_mem_mb") == reserved)
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
         for replica in replicas:
             url = workers.endpoint(replica.id)
             assert url is not None
@@ -253,10 +273,12 @@ async def test_a_replica_that_does_not_fit_is_refused_and_leaves_nothing(
     # 400 MB after the placement group was not ready in time (no single device has room).
     with pytest.raises(PlacementRefused, match=r"the cluster is full: needs .*gpu_mem_mb 950"):
         await workers.start_replica(spec("too-big", 950), changes)
+    workers.place_timeout_s = 3  # short: no node can ever hold it, however long it waits
     with pytest.raises(
         PlacementRefused, match=r"no node had room for .*gpu_mem_mb 400, .* within 3s"
     ):
         await workers.start_replica(spec("no-room", 400), changes)
+    workers.place_timeout_s = DEADLINE_S
     with pytest.raises(PlacementRefused, match="no alive node could ever hold"):
         await workers.start_replica(spec("no-pool", 100, pool="dedicated"), changes)
     assert [r.id for r in workers.list_replicas()] == ["sim-0", "sim-1", "sim-2"]
@@ -275,12 +297,13 @@ async def test_node_loss_replaces_its_replica_on_a_surviving_node(
     cluster.wait_for_nodes()
     try:
         changes = Changes()
-        replicas = await start_all(workers, [spec(f"sim-{i}") for i in range(4)], changes)
+        with spread_over_nodes(workers):  # one replica on each node, the doomed one too
+            replicas = await start_all(workers, [spec(f"sim-{i}") for i in range(4)], changes)
         (lost,) = [r for r in replicas if workers.node_of(r.id) == doomed.node_id]
         cluster.remove_node(doomed)
         await changes.until(lambda: lost.state is FAILED)
         assert "its node died while ready" in lost.detail
-        await changes.until(lambda: lost.ready, 60)
+        await changes.until(lambda: lost.ready)
     finally:
         if doomed in cluster.worker_nodes:
             cluster.remove_node(doomed)
@@ -294,7 +317,7 @@ async def test_node_loss_replaces_its_replica_on_a_surviving_node(
         if other is not lost:
             assert other.ready
             assert other.restarts == 0
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
         url = workers.endpoint(lost.id)
         assert url is not None
         assert (await embed(client, url, ["back"])).status_code == 200
@@ -317,17 +340,17 @@ async def test_stop_replica_lets_in_flight_requests_finish_and_ends_stopped(
     (replica,) = await start_all(workers, [spec("slow", settings=slow)], changes)
     url = replica.url
     assert url is not None
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
         request = asyncio.create_task(embed(client, url, ["in flight"]))
 
         async def in_flight() -> bool:
             return bool((await client.get(f"{url}/stats")).json()["in_flight"])
 
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(DEADLINE_S):
             while not await in_flight():  # noqa: ASYNC110 (another process's state)
                 await asyncio.sleep(0.05)
-        async with asyncio.timeout(30):
-            await workers.stop_replica(replica.id, timeout_s=10)
+        async with asyncio.timeout(DEADLINE_S):
+            await workers.stop_replica(replica.id, timeout_s=30)
         response = await request
         assert response.status_code == 200, response.text
         with pytest.raises(httpx.ConnectError):
@@ -351,14 +374,14 @@ async def test_a_worker_that_cannot_start_fails_with_its_reason_and_is_retried(
     )
     changes = Changes()
     replica = await workers.start_replica(spec("broken", settings=broken), changes)
-    await changes.until(lambda: replica.restarts >= 1, 30)
+    await changes.until(lambda: replica.restarts >= 1)
     assert FAILED in changes.states(replica.id)
     failure = next(detail for rid, state, detail in changes.history if state is FAILED)
     assert failure.startswith("worker failed: "), failure
     assert "missing" in failure  # the engine's own error names the file
     assert "while starting" in failure
-    async with asyncio.timeout(30):
-        await workers.stop_replica(replica.id, timeout_s=5)  # a crash loop stops too
+    async with asyncio.timeout(DEADLINE_S):
+        await workers.stop_replica(replica.id, timeout_s=30)  # a crash loop stops too
     assert replica.state is STOPPED
     assert group_states("broken") <= {"REMOVED"}
 
@@ -392,13 +415,13 @@ async def test_scale_1_4_1_under_load_through_the_gateway_loses_nothing(
             replica_spec = ReplicaSpec(f"sim-{started}", MODEL, "shared", settings, memory_mb=200)
             started += 1
             gateway.add_replica(await workers.start_replica(replica_spec, on_change))
-        await changes.until(lambda: all(replica.ready for replica in live), 60)
+        await changes.until(lambda: all(replica.ready for replica in live))
         while len(live) > count:  # drain the newest: no new requests, in-flight finish
             victim = live[-1]
             victim.set_state(ReplicaState.DRAINING, "scale-in")
             assert await settled(lambda victim=victim: victim.in_flight == 0)
-            async with asyncio.timeout(30):
-                await workers.stop_replica(victim.id, timeout_s=10)
+            async with asyncio.timeout(DEADLINE_S):
+                await workers.stop_replica(victim.id, timeout_s=30)
             gateway.remove_replica(victim)
 
     statuses: collections.Counter[int] = collections.Counter()
@@ -413,13 +436,15 @@ async def test_scale_1_4_1_under_load_through_the_gateway_loses_nothing(
 
     async def served(count: int) -> None:
         target = statuses.total() + count
-        assert await settled(lambda: statuses.total() >= target, 60)
+        assert await settled(lambda: statuses.total() >= target)
 
     app = create_gateway_app(gateway)
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=60) as client,
+        httpx.AsyncClient(
+            transport=transport, base_url="http://gateway", timeout=DEADLINE_S
+        ) as client,
     ):
         await scale_to(1)
         load = [asyncio.create_task(client_loop(client, i)) for i in range(6)]
@@ -441,7 +466,7 @@ async def test_scale_1_4_1_under_load_through_the_gateway_loses_nothing(
 
 async def completed_requests(replica: Replica) -> float:
     """Requests a worker completed, from its own /metrics."""
-    async with httpx.AsyncClient(timeout=5) as client:
+    async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
         text = (await client.get(f"{replica.url}/metrics")).text
     return sum(
         sample.value

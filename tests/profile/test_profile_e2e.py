@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.procs import TIDEGATE, child_env, stop, wait_for, worker_process
+from tests.procs import DEADLINE_S, TIDEGATE, child_env, stop, wait_for, worker_process
 from tidegate.config import load_config
 from tidegate.core.capacity import CapacityPoint, Knee, Slo, find_knee
 from tidegate.engines.profile import Curve, EngineProfile, load_profile
@@ -118,11 +119,11 @@ def test_the_profile_written_drives_a_simulated_worker(embeddings_round_trip: Pa
         response = httpx.post(
             f"{worker.url}/v1/embeddings",
             json={"model": "replayed", "input": ["a", "b"]},
-            timeout=10,
+            timeout=DEADLINE_S,
         )
         assert response.status_code == 200
         assert len(response.json()["data"]) == 2
-        models = httpx.get(f"{worker.url}/v1/models", timeout=5).json()["data"]
+        models = httpx.get(f"{worker.url}/v1/models", timeout=DEADLINE_S).json()["data"]
         assert models[0]["engine"] == "simulated"
     assert isinstance(written, EngineProfile)
     assert written.task == "embeddings"
@@ -225,6 +226,10 @@ def test_ctrl_c_writes_what_was_measured_and_stops_its_workers(tmp_path: Path) -
         env=child_env(),
         start_new_session=True,
     )  # fmt: skip
+    # Reading its output waits for events (a line, the end); this bounds them all: a profile
+    # that hangs is killed, its output ends, and the assertions below say what it printed.
+    watchdog = threading.Timer(PROFILE_TIMEOUT_S, process.kill)
+    watchdog.start()
     try:
         assert process.stderr is not None
         lines = []
@@ -236,8 +241,9 @@ def test_ctrl_c_writes_what_was_measured_and_stops_its_workers(tmp_path: Path) -
         assert workers, "the profile runs a worker"
         os.kill(process.pid, signal.SIGINT)
         lines += process.stderr.readlines()
-        assert process.wait(timeout=60) == 130, "".join(lines)
+        assert process.wait(timeout=PROFILE_TIMEOUT_S) == 130, "".join(lines)
     finally:
+        watchdog.cancel()
         stop(process)
         if process.stderr is not None:
             process.stderr.close()
