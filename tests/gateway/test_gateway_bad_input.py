@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.gateway.harness import flat_profile, gateway_client, sim_config, sim_worker
@@ -64,7 +66,11 @@ CASES = [
     Bad("unknown_model", {"model": "nope", "input": "x"}, 404, "model_not_found"),
     Bad("wrong_task", {"model": "sim", "prompt": "x"}, 400, "wrong_task", path="/v1/completions"),
     Bad("body_too_large", {"model": "sim", "input": "x" * 70_000}, 413),
-    Bad("worker_rejects_empty_input", {"model": "sim", "input": ""}, 400, "input"),
+    Bad("empty_input", {"model": "sim", "input": ""}, 400, "input"),
+    Bad("input_a_boolean", {"model": "sim", "input": True}, 400, "input"),
+    Bad("priority_a_boolean", {**OK, "priority": True}, 400, "priority"),
+    Bad("json_nan", '{"model": "sim", "input": "x", "dimensions": NaN}', 400),
+    Bad("lone_surrogate", '{"model": "sim", "input": "\\ud800"}', 400),
 ]
 
 
@@ -84,12 +90,7 @@ async def test_bad_requests_get_4xx_and_the_gateway_keeps_serving(tmp_path: Path
                     content=raw.encode(),
                     headers={"Content-Type": "application/json", **headers},
                 )
-                assert response.status_code == case.status, (case.name, response.text)
-                error = response.json()["error"]
-                assert set(error) == {"message", "type", "param", "code"}, case.name
-                if case.code_or_param is not None:
-                    assert case.code_or_param in (error["code"], error["param"]), (case.name, error)
-                assert "X-Request-Id" in response.headers, case.name
+                _check(response, case)
             ok = await client.post(
                 "/v1/embeddings", json=OK, headers={"Authorization": f"Bearer {APP_KEY}"}
             )
@@ -107,3 +108,99 @@ async def test_bad_requests_get_4xx_and_the_gateway_keeps_serving(tmp_path: Path
         metrics
     )
     assert 'outcome="invalid"' in metrics
+
+
+def _check(response: httpx.Response, case: Bad) -> None:
+    assert response.status_code == case.status, (case.name, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, case.name
+    if case.code_or_param is not None:
+        assert case.code_or_param in (error["code"], error["param"]), (case.name, error)
+    assert "X-Request-Id" in response.headers, case.name
+    for leak in LEAKS:
+        assert leak not in error["message"], (case.name, error)
+
+
+# What a client must never read: addresses of replicas, Python's own exception text.
+LEAKS = ("http://", "127.0.0.1", "Traceback", "invalid literal", "Error:", "Exception")
+CMPL = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+CHAT_OK = {"model": "sim", "messages": MSG, "max_tokens": 2}
+# Issue 11: each of these was a 500, or was read one way by the gateway and another by the
+# worker, before the gateway validated requests with the worker's schemas.
+GENERATION_CASES = [
+    Bad("messages_a_number", {"model": "sim", "messages": 5}, 400, "messages", path=CHAT),
+    Bad("messages_a_boolean", {"model": "sim", "messages": True}, 400, "messages", path=CHAT),
+    Bad(
+        "negative_max_tokens",
+        {"model": "sim", "prompt": "hi", "max_tokens": -5},
+        400,
+        "max_tokens",
+        path=CMPL,
+    ),
+    Bad("max_tokens_a_boolean", {**CHAT_OK, "max_tokens": True}, 400, "max_tokens", path=CHAT),
+    Bad("stream_a_string", {**CHAT_OK, "stream": "yes"}, 400, "stream", path=CHAT),
+    Bad("n_a_boolean", {**CHAT_OK, "n": True}, 400, "n", path=CHAT),
+    Bad(
+        "nested_100000_levels",
+        '{"model": "sim", "prompt": "hi", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        400,
+        path=CMPL,
+    ),
+    Bad(
+        "temperature_infinity",
+        '{"model": "sim", "prompt": "hi", "temperature": Infinity}',
+        400,
+        path=CMPL,
+    ),
+]
+
+
+@pytest.mark.asyncio
+async def test_malformed_generation_requests_get_400_at_the_gateway(tmp_path: Path) -> None:
+    profile = flat_profile(tmp_path / "gen.json", 1.0, task="generate")
+    with sim_worker(profile) as worker:
+        data = sim_config(worker.url, keys=_keys(), model={"task": "generate"})
+        async with gateway_client(data, [worker.url], 4) as (client, _):
+            for case in GENERATION_CASES:
+                raw = case.body if isinstance(case.body, str) else json.dumps(case.body)
+                response = await client.post(
+                    case.path,
+                    content=raw.encode(),
+                    headers={
+                        "Content-Type": "application/json",
+                        "Authorization": f"Bearer {BATCH_KEY}",
+                    },
+                )
+                _check(response, case)
+            auth = {"Authorization": f"Bearer {APP_KEY}"}
+            ok = await client.post(CHAT, json={**CHAT_OK, "priority": "low"}, headers=auth)
+            assert ok.status_code == 200, ok.text
+            assert ok.json()["usage"]["completion_tokens"] == 2
+            streamed = await client.post(CHAT, json={**CHAT_OK, "stream": True}, headers=auth)
+            assert streamed.status_code == 200
+            assert streamed.headers["content-type"].startswith("text/event-stream")
+            assert streamed.text.endswith("data: [DONE]\n\n")
+            metrics = (await client.get("/metrics")).text
+    assert 'outcome="failed"' not in metrics
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.asyncio
+async def test_unreachable_replicas_answer_502_naming_the_replica_not_its_address() -> None:
+    urls = [_closed_port_url(), _closed_port_url()]
+    async with gateway_client(sim_config(urls[0]), urls, 1) as (client, _):
+        response = await client.post("/v1/embeddings", json=OK)
+    assert response.status_code == 502, response.text
+    error = response.json()["error"]
+    assert error["code"] == "replica_failed"
+    assert "replica r" in error["message"]
+    for leak in LEAKS:
+        assert leak not in error["message"], error

@@ -84,6 +84,14 @@ EMBEDDING_CASES = [
         {"X-Tidegate-Priority": "urgent"},
     ),
     Bad("unknown_route", "/v1/nothing", {"model": "emb"}, 404),
+    Bad("input_a_boolean", EMB, {"model": "emb", "input": True}, 400, "input"),
+    Bad(
+        "nested_100000_levels",
+        EMB,
+        '{"model": "emb", "input": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        400,
+    ),
+    Bad("lone_surrogate", EMB, '{"model": "emb", "input": "\\udc00"}', 400),
 ]
 
 GENERATION_CASES = [
@@ -149,6 +157,44 @@ GENERATION_CASES = [
         400,
         "stream",
     ),
+    # Issue 11: the gateway and the worker now apply the same strict rules.
+    Bad("messages_a_number", CHAT, {"model": "gen", "messages": 5}, 400, "messages"),
+    Bad("messages_a_boolean", CHAT, {"model": "gen", "messages": True}, 400, "messages"),
+    Bad(
+        "negative_max_tokens",
+        CMPL,
+        {"model": "gen", "prompt": "a", "max_tokens": -5},
+        400,
+        "max_tokens",
+    ),
+    Bad(
+        "max_tokens_a_boolean",
+        CHAT,
+        {"model": "gen", "messages": MSG, "max_tokens": True},
+        400,
+        "max_tokens",
+    ),
+    Bad(
+        "stream_yes",
+        CHAT,
+        {"model": "gen", "messages": MSG, "stream": "yes"},
+        400,
+        "stream",
+    ),
+    Bad("n_a_boolean", CHAT, {"model": "gen", "messages": MSG, "n": True}, 400, "n"),
+    Bad(
+        "nested_100000_levels",
+        CMPL,
+        '{"model": "gen", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        400,
+    ),
+    Bad(
+        "temperature_infinity",
+        CMPL,
+        '{"model": "gen", "prompt": "a", "temperature": Infinity}',
+        400,
+    ),
+    Bad("lone_surrogate", CMPL, '{"model": "gen", "prompt": "\\ud800"}', 400),
 ]
 
 
@@ -163,6 +209,8 @@ def _check(response: Any, case: Bad) -> None:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"]
+    for leak in ("http://", "Traceback", "invalid literal", "Error:", "Exception"):
+        assert leak not in error["message"], error
     if case.param is not None:
         assert error["param"] == case.param, error
 

@@ -1,10 +1,11 @@
 """The proxy loop of one request: admit, wait for a slot, forward, pass the answer through.
 
-Per request: authenticate (API key → class and cap), read only the fields the scheduler
-needs (model, stream, priority, a token estimate), submit to the model's dispatcher (429
-with Retry-After when refused), wait for a replica slot (504 on queue timeout, cancelled
-when the client goes away), forward (retry once on another replica if nothing reached the
-first), pass the answer through. Every request ends in exactly one counted outcome.
+Per request: authenticate (API key → class and cap), validate the body once against its
+endpoint's schema (``wire``) and take what the scheduler needs from it (model, stream,
+priority, a token estimate), submit to the model's dispatcher (429 with Retry-After when
+refused), wait for a replica slot (504 on queue timeout, cancelled when the client goes
+away), forward (retry once on another replica if nothing reached the first), pass the
+answer through. Every request ends in exactly one counted outcome.
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tidegate import wire
 from tidegate.asgi import (
     SSE_DONE,
     ClientGone,
+    decode_json,
     error_response,
-    json_body,
     sse,
     unless_disconnected,
 )
@@ -120,12 +121,11 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
             f"request body of {len(raw)} bytes is over the limit of "
             f"{config.gateway.max_request_bytes}"
         )
-    payload = await json_body(request)
-    if not isinstance(payload, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    model = payload.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("model: a model name is required", param="model")
+    # Validated once, here, with the worker's own schema: a bad request never waits in the
+    # queue, and what reaches a replica is a request it accepts (bar model-specific limits).
+    payload = decode_json(raw)
+    parsed = wire.parse(wire.REQUEST_OF_PATH[request.url.path], payload)
+    model = parsed.model
     if model not in gateway.dispatchers:
         raise ModelNotFound(f"model {model!r} does not exist; see /v1/models", param="model")
     call.model = model
@@ -136,12 +136,13 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
         raise InvalidRequest(
             f"model {model} is a {spec.task} model; use {other}", param="model", code="wrong_task"
         )
-    level = requested_level(config, key, request, payload)
+    level = requested_level(config, key, request, {"priority": parsed.priority})
     call.priority = config.level_names[level] if not config.fifo else "fifo"
-    stream = payload.get("stream") is True
+    stream = not isinstance(parsed, wire.EmbeddingsRequest) and parsed.stream
     dispatcher = gateway.dispatchers[model]
-    core = CoreRequest(call.rid, model, level, call.started, None, estimate_tokens(payload))
-    # The gateway's own field is not forwarded: some OpenAI-compatible servers refuse it.
+    core = CoreRequest(call.rid, model, level, call.started, None, estimate_tokens(parsed))
+    # The client's bytes go on as they came, but for the gateway's own field: some
+    # OpenAI-compatible servers refuse it.
     body = (
         raw
         if "priority" not in payload
@@ -164,7 +165,11 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
             if connect_failures > 1:
                 dispatcher.release(replica, completed=False)
                 call.outcome = "failed"
-                raise ReplicaFailed(f"{model}: {exc}") from exc
+                log.warning("%s: replica %s unreachable too: %s", call.rid, replica.id, exc)
+                raise ReplicaFailed(
+                    f"model {model}: replica {replica.id} could not be reached, nor the "
+                    "replica tried before it"
+                ) from exc
             log.warning("%s: retrying on another replica: %s", call.rid, exc)
             gateway.metrics.retries.labels(model).inc()
             ticket = dispatcher.retry(ticket, replica)
@@ -234,7 +239,10 @@ async def _send(
         stream=stream,
         on_first_byte=lambda at: observe(at - call.started),
     )
-    return await unless_disconnected(request, work)
+    try:
+        return await unless_disconnected(request, work)
+    except ReplicaFailed as exc:
+        raise ReplicaFailed(f"replica {replica.id}: {exc.message}") from exc
 
 
 def _respond(
@@ -282,17 +290,26 @@ def _respond(
     )
 
 
-def estimate_tokens(payload: dict[str, Any]) -> int:
-    """A cheap token estimate for queue budgets: four characters per token, plus output."""
-    chars = 0
-    for field_name in ("input", "prompt"):
-        value = payload.get(field_name)
-        if isinstance(value, str):
-            chars += len(value)
-        elif isinstance(value, list):
-            chars += sum(len(v) for v in value if isinstance(v, str))
-    for message in payload.get("messages") or []:
-        if isinstance(message, dict) and isinstance(message.get("content"), str):
-            chars += len(message["content"])
-    max_tokens = payload.get("max_tokens") or payload.get("max_completion_tokens") or 0
-    return chars // 4 + (max_tokens if isinstance(max_tokens, int) else 0) + 1
+def estimate_tokens(body: wire.EndpointRequest) -> int:
+    """A cheap token estimate for queue budgets: four characters per token, plus output.
+
+    From a validated request, so every term is bounded and the sum is at least 1.
+    """
+    output = 0
+    if isinstance(body, wire.EmbeddingsRequest):
+        items = [body.input] if isinstance(body.input, str) else body.input
+        chars = 0
+        for item in items:
+            # A list of token ids is its own count: four "characters" a token.
+            chars += len(item) if isinstance(item, str) else 4 * _num_ids(item)
+    elif isinstance(body, wire.CompletionRequest):
+        chars = len(body.prompt_text())
+        output = body.max_tokens or 0
+    else:
+        chars = sum(len(message.text()) for message in body.messages)
+        output = body.output_limit() or 0
+    return chars // 4 + output + 1
+
+
+def _num_ids(item: int | list[int]) -> int:
+    return len(item) if isinstance(item, list) else 1

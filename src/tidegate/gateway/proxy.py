@@ -3,10 +3,14 @@
 The client is aiohttp: bench_gateway measured httpx's connection pool at 70% of the
 gateway's CPU under 64 concurrent requests (it rescans the pool on every request and
 response), which cut the gateway to 8-35% of the replica's own throughput.
+
+Errors carry no replica address or library text: a client reads them. Those details go to
+the log, where the message of ``ConnectFailed`` also goes (the caller logs it).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -15,6 +19,7 @@ import aiohttp
 
 from tidegate.errors import ReplicaFailed
 
+log = logging.getLogger("tidegate.gateway")
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 
 
@@ -57,13 +62,15 @@ async def forward(
     except (aiohttp.ClientConnectorError, aiohttp.ServerTimeoutError) as exc:
         raise ConnectFailed(f"{url}: {exc}") from exc
     except aiohttp.ClientError as exc:
-        raise ReplicaFailed(f"replica at {url} failed: {type(exc).__name__}: {exc}") from exc
+        log.warning("replica at %s failed: %s: %s", url, type(exc).__name__, exc)
+        raise ReplicaFailed("the replica failed before it answered") from exc
     passed = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
     if not stream or response.status != 200:
         try:
             content = await response.read()
         except aiohttp.ClientError as exc:
-            raise ReplicaFailed(f"replica at {url} failed mid-response: {exc}") from exc
+            log.warning("replica at %s failed mid-response: %s: %s", url, type(exc).__name__, exc)
+            raise ReplicaFailed("the replica failed while it answered") from exc
         finally:
             response.release()
         return Forwarded(response.status, passed, content)
@@ -81,6 +88,7 @@ async def _chunks(
                 first = False
             yield chunk
     except aiohttp.ClientError as exc:
-        raise ReplicaFailed(f"replica at {url} failed mid-stream: {exc}") from exc
+        log.warning("replica at %s failed mid-stream: %s: %s", url, type(exc).__name__, exc)
+        raise ReplicaFailed("the replica failed while it streamed its answer") from exc
     finally:
         response.close()  # not release(): an unfinished stream must not go back to the pool
