@@ -7,8 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import pytest
 import yaml
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 
 from tidegate.config import load_config
 from tidegate.core.capacity import Slo
@@ -23,8 +27,10 @@ from tidegate.engines.profile import (
 )
 from tidegate.errors import ConfigError
 from tidegate.profile.options import ProfileOptions
-from tidegate.profile.outputs import RunRecord, recommended_yaml, write_outputs
+from tidegate.profile.outputs import recommended_yaml, write_outputs
+from tidegate.profile.plots import report_figure
 from tidegate.profile.recommend import QUEUE_DRAIN_S, recommend
+from tidegate.profile.record import RunRecord
 
 
 def point(
@@ -383,3 +389,118 @@ def test_bad_planner_records_name_their_key(change: dict[str, Any], key: str) ->
     with pytest.raises(ConfigError) as raised:
         parse_profile(data, "p.json")
     assert raised.value.key == key
+
+
+# ----------------------------------------------------------------------------- one knee
+def knee_marks(fig: Any) -> dict[str, list[tuple[float, float]]]:
+    """Per panel title: where the figure draws a marker labelled "knee"."""
+    return {
+        ax.get_title(): [
+            (float(line.get_xdata()[0]), float(line.get_ydata()[0]))
+            for line in ax.get_lines()
+            if line.get_label() == "knee"
+        ]
+        for ax in fig.axes
+    }
+
+
+def panel_notes(fig: Any) -> dict[str, str]:
+    """Per panel title: its text, on one line."""
+    return {
+        ax.get_title(): " ".join(" ".join(t.get_text().split()) for t in ax.texts)
+        for ax in fig.axes
+    }
+
+
+def knee_rows(report: str) -> list[str]:
+    return [line for line in report.splitlines() if line.endswith("| **knee** |")]
+
+
+def test_a_complete_run_stars_the_knee_its_text_names_and_scopes_its_reason(
+    tmp_path: Path,
+) -> None:
+    rec = recommend(EMBEDDINGS_POINTS, SLO, "embeddings", local=True)
+    assert "The knee is batch 8, window 2 ms, 16 in flight, which gave 215 req/s" in rec.summary
+    # The batch table shows 220 req/s within the SLO: "highest" holds for its own sweep only.
+    assert "the highest throughput that meets the SLO, in the concurrency sweep" in rec.summary
+    fig = report_figure(record(tmp_path), EMBEDDINGS_POINTS, rec)
+    try:
+        marks, notes = knee_marks(fig), panel_notes(fig)
+    finally:
+        plt.close(fig)
+    # Drawn over the batch sweep, which does not hold the knee: no star there (its own
+    # choice is a ring), and the star where the knee is, the concurrency sweep.
+    assert marks["throughput"] == marks["latency"] == marks["peak memory"] == []
+    assert marks["concurrency sweep (labels: in flight)"] == [(215.0, 95.0)]
+    assert all("not measured" not in note for note in notes.values())
+    write_outputs(tmp_path, record(tmp_path), EMBEDDINGS_POINTS, rec)
+    report = (tmp_path / "report.md").read_text()
+    assert knee_rows(report) == ["| 16 | 215.0 | 40.0 | 95.0 | 0.0 | - | 470 | 1.00 | **knee** |"]
+    assert "| 8 | 36.0 | 220.0 | 90.0 | 450 | 1.00 | 8.0 | 16 | sets max_batch_size |" in report
+    assert "| 2 | 7.5 | 200.0 | 40.0 | 55.0 | 1.00 | sets batch_window_ms |" in report
+
+
+def test_a_run_cut_short_keeps_the_best_knee_and_text_table_and_plot_agree(
+    tmp_path: Path,
+) -> None:
+    # Stopped (Ctrl-C) two points into the concurrency sweep, which had reached 200 req/s:
+    # the batch sweep's knee, 220 req/s within the SLO, is the best measured.
+    points = [p for p in EMBEDDINGS_POINTS if p.sweep != "concurrency" or p.concurrency <= 8]
+    run = record(tmp_path, stopped="interrupted (Ctrl-C)")
+    rec = recommend(points, SLO, "embeddings", local=True, stopped=run.stopped)
+    assert rec.knee is not None
+    assert (rec.knee.batch_size, rec.knee.concurrency, rec.knee.throughput_rps) == (8, 16, 220)
+    meeting = [p.throughput_rps for p in points if p.latency_p95_ms <= 100.0]
+    assert rec.knee.throughput_rps == max(meeting)  # "the highest", and the tables agree
+    assert (
+        "which gave 220 req/s, p95 90 ms: the highest throughput that meets the SLO, in the "
+        "batch sweep" in rec.summary
+    )
+    assert (
+        "stopped early (interrupted (Ctrl-C)) in the concurrency sweep, which reached 200 "
+        "req/s at most" in rec.summary
+    )
+    settings = {s.key: s.value for s in rec.settings}
+    assert (settings["slots"], settings["batching.max_batch_size"]) == (16, 8)
+    fig = report_figure(run, points, rec)
+    try:
+        marks = knee_marks(fig)
+    finally:
+        plt.close(fig)
+    assert marks["throughput"] == [(8.0, 220.0)]  # the star on the point the text names
+    assert marks["latency"] == [(8.0, 90.0)]
+    assert marks["concurrency sweep (labels: in flight)"] == []
+    write_outputs(tmp_path, run, points, rec)
+    report = (tmp_path / "report.md").read_text()
+    assert knee_rows(report) == ["| 8 | 36.0 | 220.0 | 90.0 | 450 | 1.00 | 8.0 | 16 | **knee** |"]
+    assert rec.summary in report
+
+
+def test_a_panel_with_nothing_measured_says_so_and_why(tmp_path: Path) -> None:
+    batch_only = [p for p in EMBEDDINGS_POINTS if p.sweep == "batch"]
+    run = record(tmp_path, stopped="--max-duration-s reached")
+    rec = recommend(batch_only, SLO, "embeddings", local=True, stopped=run.stopped)
+    fig = report_figure(run, batch_only, rec)
+    try:
+        notes = panel_notes(fig)
+    finally:
+        plt.close(fig)
+    assert notes["concurrency sweep (labels: in flight)"] == (
+        "not measured: the run stopped before the concurrency sweep (--max-duration-s reached)"
+    )
+    assert notes["peak memory"] == ""
+    url_points = [
+        dataclasses.replace(p, batch_size=None, batch_window_ms=None, peak_memory_mb=None)
+        for p in EMBEDDINGS_POINTS
+        if p.sweep == "concurrency"
+    ]
+    options = ProfileOptions(model="e5", out=tmp_path, url="http://127.0.0.1:9", slo=SLO)
+    rec = recommend(url_points, SLO, "embeddings", local=False)
+    fig = report_figure(record(tmp_path, options=options), url_points, rec)
+    try:
+        notes = panel_notes(fig)
+    finally:
+        plt.close(fig)
+    assert (
+        notes["peak memory"] == "not measured: the server at --url is not a process here to watch"
+    )

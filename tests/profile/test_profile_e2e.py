@@ -30,7 +30,8 @@ from tidegate.engines.profile import Curve, EngineProfile, load_profile
 
 pytestmark = pytest.mark.e2e
 
-PROFILE_TIMEOUT_S = 300
+# A whole profile: about a minute idle, over four beside two CPU hogs; this is far beyond.
+PROFILE_TIMEOUT_S = 900
 FILES = {"profile.json", "recommended.yaml", "report.md", "report.png"}
 # Latencies large enough that the HTTP and timer overheads (a few ms here) stay within 10%.
 KNOWN_BATCH_MS = {1: 60.0, 2: 70.0, 4: 90.0, 8: 150.0}

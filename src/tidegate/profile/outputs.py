@@ -11,10 +11,7 @@ so.
 from __future__ import annotations
 
 import json
-import platform
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +20,10 @@ import yaml
 from tidegate import __version__
 from tidegate.engines.profile import Curve, EngineProfile, MeasuredPoint, profile_data
 from tidegate.profile.options import ProfileOptions
-from tidegate.profile.recommend import Recommendation, Setting, available_cores, slo_text
-
-
-@dataclass
-class RunRecord:
-    """How the run went, besides its points."""
-
-    options: ProfileOptions
-    task: str
-    engine: str
-    started_at: str  # ISO 8601, UTC
-    duration_s: float
-    workload: dict[str, Any]
-    stopped: str | None = None  # why it ended early: None when complete
-    climb_stops: dict[str, str] = field(default_factory=dict)
-    weights_mb: float | None = None
-    calibration: dict[str, float] = field(default_factory=dict)
+from tidegate.profile.plots import write_report_png
+from tidegate.profile.recommend import Recommendation, Setting, slo_text
+from tidegate.profile.record import RunRecord, host_facts
+from tidegate.profile.report import report_markdown
 
 
 def build_profile(
@@ -125,31 +109,6 @@ def measured_record(record: RunRecord, curve_source: str) -> dict[str, Any]:
     }
 
 
-def host_facts() -> dict[str, Any]:
-    facts: dict[str, Any] = {
-        "cpus": available_cores(),
-        "cpu_model": _cpu_model(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
-    for package in ("torch", "transformers"):
-        try:
-            facts[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            continue
-    return facts
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def write_profile_json(
     path: Path, profile: EngineProfile, rec: Recommendation, measured: dict[str, Any]
 ) -> None:
@@ -218,14 +177,11 @@ def write_outputs(
     out: Path, record: RunRecord, points: Sequence[MeasuredPoint], rec: Recommendation
 ) -> list[Path]:
     """Every file of ``--out``; report.png only where there is something to plot."""
-    from tidegate.profile.plots import write_report_png
-    from tidegate.profile.report import report_markdown
-
     out.mkdir(parents=True, exist_ok=True)
     profile, curve_source = build_profile(record, points, rec)
     write_profile_json(out / "profile.json", profile, rec, measured_record(record, curve_source))
     (out / "recommended.yaml").write_text(recommended_yaml(record, rec))
-    png = write_report_png(out / "report.png", points, rec, record.task, record.options.slo)
+    png = write_report_png(out / "report.png", record, points, rec)
     (out / "report.md").write_text(report_markdown(record, points, rec, png))
     written = ["profile.json", "recommended.yaml", "report.md"] + (["report.png"] if png else [])
     return [out / name for name in written]

@@ -6,6 +6,12 @@ and the concurrency sweep the requests in flight per replica, which become ``slo
 the autoscaling target. Generation and ``--url`` profiles have only the concurrency sweep.
 Throughput is requests/s for embeddings and output tokens/s for generation.
 
+The operating point (``Recommendation.final``, "the knee" of the report, the table and the
+plot) is the knee of the most refined sweep measured: concurrency, else window, else batch.
+A run cut short may have stopped that sweep below what an earlier one measured; then the
+operating point is the best of the sweeps' knees (``pick_final``), so that the text never
+calls a point the best while the tables show a better one. Every reason names its sweep.
+
 The queue is sized in seconds of work at the knee's throughput: a full queue
 (``queue.max_size``) drains in ``QUEUE_DRAIN_S`` at one replica, and the graded holdback
 keeps the default fractions (low above 70%, medium above 90%), stated in seconds too.
@@ -26,6 +32,8 @@ from tidegate.engines.profile import KneeRecord, MeasuredPoint
 from tidegate.profile.measure import config_label
 
 QUEUE_DRAIN_S = 10.0  # a full gateway queue holds this much work for one replica
+TIE_TOLERANCE = 0.05  # core find_knee's: a more refined sweep's knee this close wins
+REFINEMENT = ("concurrency", "window", "batch")  # the most refined sweep first
 HOLDBACK = {"medium": 0.9, "low": 0.7}  # the gateway's defaults, restated in seconds
 CPU_BOUND_SHARE = 0.85  # a worker using this share of the machine's cores is CPU-bound
 
@@ -51,9 +59,10 @@ class SweepKnee:
 
     @property
     def reason(self) -> str:
+        """Why this point, within its own sweep (another sweep's table may show more)."""
         if isinstance(self.outcome, Knee):
-            return self.outcome.reason
-        return f"{self.outcome.reason}; the closest was kept"
+            return f"{self.outcome.reason}, in the {self.sweep} sweep"
+        return f"no point of the {self.sweep} sweep meets the SLO; the closest was kept"
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class Recommendation:
     memory_mb: float
     summary: str  # the choice in two sentences
     knees: tuple[SweepKnee, ...]
+    final: SweepKnee | None = None  # the operating point: ``knee``, as measured
 
 
 def throughput_of(point: MeasuredPoint, task: str) -> float:
@@ -101,10 +111,30 @@ def sweep_knee(
     return SweepKnee(sweep, point, outcome)
 
 
-def recommend(points: Sequence[MeasuredPoint], slo: Slo, task: str, local: bool) -> Recommendation:
+def pick_final(knees: Sequence[SweepKnee], task: str, cut_short: bool) -> SweepKnee | None:
+    """The operating point among the sweeps' knees (see the module docstring)."""
+    by_sweep = {k.sweep: k for k in knees}
+    ordered = [by_sweep[sweep] for sweep in REFINEMENT if sweep in by_sweep]
+    meeting = [k for k in ordered if k.meets_slo]
+    if not cut_short or not meeting:
+        # Complete: each sweep was measured at the knee of the one before, so the last is
+        # the most specific configuration, whatever the noise between sweeps.
+        return ordered[0] if ordered else None
+    best = max(throughput_of(k.point, task) for k in meeting)
+    return next(k for k in meeting if throughput_of(k.point, task) >= best * (1.0 - TIE_TOLERANCE))
+
+
+def recommend(
+    points: Sequence[MeasuredPoint],
+    slo: Slo,
+    task: str,
+    local: bool,
+    stopped: str | None = None,
+) -> Recommendation:
+    """``stopped``: why the run ended early (None: complete)."""
     knees = tuple(k for k in (sweep_knee(points, s, slo, task) for s in SIZE_OF) if k is not None)
     by_sweep = {k.sweep: k for k in knees}
-    final = by_sweep.get("concurrency") or by_sweep.get("window") or by_sweep.get("batch")
+    final = pick_final(knees, task, cut_short=stopped is not None)
     if final is None:
         return Recommendation(None, (), 0.0, "Nothing was measured.", knees)
     op = final.point
@@ -122,9 +152,8 @@ def recommend(points: Sequence[MeasuredPoint], slo: Slo, task: str, local: bool)
     settings = _batching(by_sweep, task, local) + _flow(final, task)
     if local:  # an openai model's servers are started and scaled outside tidegate
         settings += _replica(final, task, memory)
-    return Recommendation(
-        record, tuple(settings), memory, _summary(final, by_sweep, slo, task), knees
-    )
+    summary = _summary(final, points, by_sweep, slo, task, stopped)
+    return Recommendation(record, tuple(settings), memory, summary, knees, final)
 
 
 def _batching(by_sweep: dict[str, SweepKnee], task: str, local: bool) -> list[Setting]:
@@ -230,7 +259,14 @@ def _memory_mb(points: Sequence[MeasuredPoint], batch_size: int | None) -> float
     return max(values, default=0.0)
 
 
-def _summary(final: SweepKnee, by_sweep: dict[str, SweepKnee], slo: Slo, task: str) -> str:
+def _summary(
+    final: SweepKnee,
+    points: Sequence[MeasuredPoint],
+    by_sweep: dict[str, SweepKnee],
+    slo: Slo,
+    task: str,
+    stopped: str | None,
+) -> str:
     op = final.point
     config = config_label(op.batch_size, op.batch_window_ms, op.concurrency)
     first = (
@@ -239,7 +275,28 @@ def _summary(final: SweepKnee, by_sweep: dict[str, SweepKnee], slo: Slo, task: s
     missed = [k.sweep for k in by_sweep.values() if not k.meets_slo]
     if missed:
         first += f" No configuration of the {' and '.join(missed)} sweep met the SLO."
+    if stopped is not None:
+        first += f" {_cut_short_sentence(final, points, by_sweep, task, stopped)}"
     return f"{first} {cpu_sentence(op)}"
+
+
+def _cut_short_sentence(
+    final: SweepKnee,
+    points: Sequence[MeasuredPoint],
+    by_sweep: dict[str, SweepKnee],
+    task: str,
+    stopped: str,
+) -> str:
+    """What an incomplete run leaves open: the sweep it cut, and what it reached."""
+    last = next(sweep for sweep in REFINEMENT if sweep in by_sweep)
+    if last == final.sweep:
+        return f"The run stopped early ({stopped}): a longer run may find a better knee."
+    unit = "tok/s" if task == "generate" else "req/s"
+    reached = max(throughput_of(p, task) for p in points if p.sweep == last)
+    return (
+        f"The run stopped early ({stopped}) in the {last} sweep, which reached "
+        f"{reached:.4g} {unit} at most: the {final.sweep} sweep's knee is kept instead."
+    )
 
 
 def slo_text(slo: Slo) -> str:

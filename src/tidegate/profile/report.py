@@ -1,8 +1,10 @@
 """report.md: the measured tables, the choice in two sentences, and what to read with care.
 
 One table per sweep (batch | batch latency | throughput | p95 | memory | worker CPU ...),
-columns declared once in ``TABLES``; notes for unstable points, failed requests and the CPU
-other processes took while the points were measured (the noise of a shared machine).
+columns declared once in ``TABLES``, and a last column that marks the knee (the point the
+choice names, and the plot stars) and the points that chose a batching setting; notes for
+unstable points, failed requests and the CPU other processes took while the points were
+measured (the noise of a shared machine).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from typing import Any
 
 from tidegate.engines.profile import MeasuredPoint
 from tidegate.profile.measure import config_label
-from tidegate.profile.outputs import RunRecord, host_facts
 from tidegate.profile.recommend import Recommendation, slo_text
+from tidegate.profile.record import RunRecord, host_facts
 
 
 def report_markdown(
@@ -37,7 +39,7 @@ def report_markdown(
         rec.summary,
         "",
     ]
-    for title, sweep, rows in _tables(points, record.task):
+    for title, sweep, rows in _tables(points, record.task, choice_marks(rec)):
         if rows:
             lines += [f"## {title}", "", *rows, ""]
             if sweep in record.climb_stops:
@@ -145,16 +147,35 @@ TABLES: dict[str, dict[str, tuple[str, list[Column]]]] = {
 }
 
 
-def _tables(points: Sequence[MeasuredPoint], task: str) -> list[tuple[str, str, list[str]]]:
+# What the knee of a sweep other than the operating point's chose (recommend._batching).
+SETS = {"batch": "sets max_batch_size", "window": "sets batch_window_ms"}
+
+
+def choice_marks(rec: Recommendation) -> list[tuple[MeasuredPoint, str]]:
+    """The points the choice rests on, with what each one is: the knee first."""
+    marks = [] if rec.final is None else [(rec.final.point, "**knee**")]
+    for knee in rec.knees:
+        if knee is not rec.final and knee.sweep in SETS:
+            marks.append((knee.point, SETS[knee.sweep]))
+    return marks
+
+
+def _tables(
+    points: Sequence[MeasuredPoint], task: str, marks: list[tuple[MeasuredPoint, str]]
+) -> list[tuple[str, str, list[str]]]:
+    def mark(point: MeasuredPoint) -> str:
+        # By identity: two points of a sweep may hold equal figures.
+        return next((text for marked, text in marks if marked is point), "")
+
     tables = []
     for sweep, (title, columns) in TABLES[task].items():
         rows = [
-            "| " + " | ".join(show(p) for _, show in columns) + " |"
+            "| " + " | ".join([*(show(p) for _, show in columns), mark(p)]) + " |"
             for p in points
             if p.sweep == sweep
         ]
-        header = "| " + " | ".join(name for name, _ in columns) + " |"
-        rule = "|" + "---:|" * len(columns)
+        header = "| " + " | ".join([*(name for name, _ in columns), "choice"]) + " |"
+        rule = "|" + "---:|" * len(columns) + ":---|"
         tables.append((title, sweep, [header, rule, *rows] if rows else []))
     return tables
 

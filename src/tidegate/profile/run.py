@@ -30,8 +30,9 @@ from tidegate.engines.profile import MeasuredPoint
 from tidegate.errors import ConfigError, ReplicaFailed
 from tidegate.profile.loadgen import client_session
 from tidegate.profile.options import ProfileOptions
-from tidegate.profile.outputs import RunRecord, write_outputs
+from tidegate.profile.outputs import write_outputs
 from tidegate.profile.recommend import recommend
+from tidegate.profile.record import RunRecord
 from tidegate.profile.sweep import Planner
 
 EXIT_STOPPED = 130
@@ -177,7 +178,7 @@ def _write(
             else {}
         ),
     )
-    rec = recommend(planner.points, options.slo, task, options.local)
+    rec = recommend(planner.points, options.slo, task, options.local, record.stopped)
     paths = write_outputs(options.out, record, planner.points, rec)
     console.print(rec.summary, highlight=False)
     console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
