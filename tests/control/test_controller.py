@@ -18,8 +18,8 @@ from tidegate.config import parse_config
 from tidegate.control.controller import Controller
 from tidegate.control.orchestrator import ReplicaSpec
 from tidegate.core.request import Request
-from tidegate.gateway.state import Gateway
 from tidegate.gateway.replicas import Replica, ReplicaState
+from tidegate.gateway.state import Gateway
 
 
 class ManualClock:
@@ -130,14 +130,13 @@ async def test_demand_scales_up_onto_declared_devices_and_spreads_the_model() ->
     decision = await controller.tick("m")
     assert (decision.current_replicas, decision.desired_replicas) == (1, 3)
     assert decision.reason == "target"
-    devices = [spec.device for spec in orchestrator.started]
-    # Not cuda: local workers run on the cpu; placement still counted the memory.
-    assert devices == ["cpu", "cpu", "cpu"]
     assert controller.placement.used_mb("gpu-a") + controller.placement.used_mb("gpu-b") == 1200
-    assert {controller.placement.device_of(f"m-shared-{i}") for i in range(3)} == {
-        "gpu-a",
-        "gpu-b",
-    }
+    placed = [controller.placement.device_of(spec.replica_id) for spec in orchestrator.started]
+    assert set(placed) == {"gpu-a", "gpu-b"}
+    # Each replica starts on the device placement chose, and is named so (not "cpu"); its
+    # worker runs on the cpu, as a declared id is no local cuda:N.
+    assert [spec.device for spec in orchestrator.started] == placed
+    assert {spec.settings.device for spec in orchestrator.started} == {"cpu"}
 
 
 @pytest.mark.asyncio
@@ -274,6 +273,8 @@ async def test_defrag_moves_make_before_break_and_frees_a_device() -> None:
     result = await controller.run_defrag(move_timeout_s=5)
     await warming
     assert result["moved"] == [move.replica_id]
+    (new,) = orchestrator.started
+    assert (new.device, new.settings.device) == (move.to_device, "cpu")  # named as placed
     assert orchestrator.stopped == [move.replica_id]
     assert controller.placement.used_devices == {move.to_device}
     model = orchestrator.started[0].model

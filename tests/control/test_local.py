@@ -27,10 +27,14 @@ import pytest
 from tests.procs import Proc, child_env, stop, wait_for, worker_process
 from tidegate.config import TidegateConfig, parse_config
 from tidegate.control import local
+from tidegate.control.controller import Controller
 from tidegate.control.health import DEFAULT_UPSTREAM_SLOTS, UpstreamHealth
 from tidegate.control.lifecycle import MIN_BACKOFF_S
 from tidegate.control.local import LocalWorkers, device_env, resolve_devices, worker_command
+from tidegate.control.orchestrator import ReplicaSpec
+from tidegate.core.request import Request
 from tidegate.gateway.replicas import Replica, ReplicaState
+from tidegate.gateway.state import Gateway
 
 READY, FAILED, STOPPED = ReplicaState.READY, ReplicaState.FAILED, ReplicaState.STOPPED
 REPO = Path(__file__).resolve().parents[2]
@@ -270,6 +274,68 @@ async def test_a_worker_not_ready_in_time_is_killed(monkeypatch: pytest.MonkeyPa
         assert replica.detail == "not ready within 10s of its launch", replica.detail
         assert not alive(pid)
         assert changes.first_at(replica.id, FAILED) - before_launch >= ready_timeout_s - 0.01
+
+
+class _Watched:
+    """LocalWorkers whose replicas also report to ``changes`` (the controller owns on_change)."""
+
+    def __init__(self, workers: LocalWorkers, changes: Changes) -> None:
+        self.workers = workers
+        self.changes = changes
+
+    async def start_replica(
+        self, spec: ReplicaSpec, on_change: Callable[[Replica], None]
+    ) -> Replica:
+        def both(replica: Replica) -> None:
+            on_change(replica)
+            self.changes(replica)
+
+        return await self.workers.start_replica(spec, both)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.workers, name)
+
+
+@pytest.mark.asyncio
+async def test_a_replica_the_autoscaler_places_is_listed_on_its_device() -> None:
+    # A declared device that is no local cuda:N: the worker runs on the cpu, and the replica
+    # is still listed on the device the controller placed it on, as its log says.
+    config = parse_config(
+        {
+            "devices": [{"id": "node-c/gpu-0", "memory_mb": 1000, "node": "node-c"}],
+            "pools": {"shared": {"devices": ["node-c/gpu-0"]}},
+            "models": [
+                sim(
+                    replicas=0,
+                    memory_mb=100,
+                    autoscaling={
+                        "min_replicas": 0,
+                        "max_replicas": 1,
+                        "target_per_replica": 4,
+                        "scale_to_zero": True,
+                    },
+                )
+            ],
+        },
+        "<test>",
+    )
+    changes = Changes()
+    workers = LocalWorkers(config, on_change=changes)
+    gateway = Gateway(config, replicas={})
+    controller = Controller(gateway, _Watched(workers, changes), config)
+    try:
+        gateway.dispatchers["sim"].submit(Request("r0", "sim", 1, time.monotonic()))
+        assert (await controller.tick("sim")).desired_replicas == 1  # a cold start from zero
+        (added,) = workers.replicas
+        await changes.until(lambda: added.state is READY)
+        pid = workers.pid(added.id)
+        assert added.describe()["detail"] == f"pid {pid} on node-c/gpu-0"
+        assert workers.device_of(added.id) == "node-c/gpu-0"
+        cmdline = await asyncio.to_thread(Path(f"/proc/{pid}/cmdline").read_bytes)
+        argv = cmdline.split(b"\0")
+        assert argv[argv.index(b"--device") + 1] == b"cpu"
+    finally:
+        await workers.stop(timeout_s=30)
 
 
 ORPHAN_PARENT = textwrap.dedent(

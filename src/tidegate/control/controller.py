@@ -5,8 +5,10 @@ the controller builds ``ScaleInputs`` from the gateway's own queue and in-flight
 calls ``core.autoscale.decide_scale``, records the decision, and executes it:
 
 - up: ``core.placement.place`` picks a device for each new replica (declared inventory), or
-  the pool's devices take turns; the orchestrator starts it; the gateway routes to it once
-  its warm-up passed (READY);
+  the pool's devices take turns; the orchestrator starts it on that device (``spec.device``
+  is the placed id, which its logs and its replica's detail name; the worker's own
+  ``--device`` is that id as a local device: ``cuda:N``, else cpu); the gateway routes to it
+  once its warm-up passed (READY);
 - down: ``core.placement.pick_victims`` orders the candidates (fewest in flight, most memory
   freed, newest); each victim is drained: DRAINING (no new requests), its worker hands back
   what it has not started (the gateway requeues those), in-flight requests finish within
@@ -66,8 +68,8 @@ from tidegate.core.placement import (
     place,
     plan_defrag,
 )
-from tidegate.gateway.state import Gateway
 from tidegate.gateway.replicas import Replica, ReplicaState
+from tidegate.gateway.state import Gateway
 
 log = logging.getLogger("tidegate.controller")
 
@@ -257,7 +259,7 @@ class Controller:
                 model=name,
                 pool=model.pool,
                 settings=settings,
-                device=_local_device(device),
+                device=device,  # as placed: what the replica is listed on
                 memory_mb=model.spec.memory_mb,
                 exclusive=model.spec.exclusive,
                 slots=model.spec.slots,
@@ -418,9 +420,8 @@ class Controller:
             return f"{move.replica_id} is not a ready replica any more"
         spec = self.config.model(old.model)
         new_id = f"{old.model}-{old.pool}-m{next(self._moves)}"
-        device = _local_device(move.to_device)
         settings = dataclasses.replace(
-            self.config.worker_settings(old.model, device),
+            self.config.worker_settings(old.model, _local_device(move.to_device)),
             memory_fraction=memory_fraction(
                 move.to_device, spec.memory_mb, spec.exclusive, self.devices
             ),
@@ -433,7 +434,7 @@ class Controller:
                     old.model,
                     old.pool,
                     settings,
-                    device,
+                    move.to_device,
                     spec.memory_mb,
                     spec.exclusive,
                     spec.slots,

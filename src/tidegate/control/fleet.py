@@ -14,8 +14,8 @@ import logging
 
 from tidegate.config import TidegateConfig
 from tidegate.control.orchestrator import Orchestrator, ReplicaSpec
-from tidegate.gateway.state import Gateway
 from tidegate.gateway.replicas import Replica
+from tidegate.gateway.state import Gateway
 
 log = logging.getLogger("tidegate.control")
 
