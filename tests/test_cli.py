@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from tidegate import __version__
@@ -65,3 +70,69 @@ models:
 def test_defrag_without_dry_run_refuses_offline() -> None:
     result = CliRunner().invoke(app, ["defrag", "--config", "examples/autoscaling.yaml"])
     assert result.exit_code == 2
+
+
+class _RefusesWithoutAKey(BaseHTTPRequestHandler):
+    """A gateway with keys, as far as ``explain`` can tell: 401 and its OpenAI error body."""
+
+    def do_GET(self) -> None:
+        body = json.dumps(
+            {
+                "error": {
+                    "message": "an API key is required: Authorization: Bearer <key>",
+                    "type": "authentication_error",
+                    "code": "invalid_api_key",
+                }
+            }
+        ).encode()
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def gateway_with_keys() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RefusesWithoutAKey)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("key", "says"),
+    [(None, "needs an API key"), ("wrong", "refused the API key given")],
+    ids=["no_key", "wrong_key"],
+)
+def test_explain_refused_says_which_option_or_variable_to_set(
+    gateway_with_keys: str, key: str | None, says: str
+) -> None:
+    result = CliRunner().invoke(
+        app,
+        ["explain", "sim", "--url", gateway_with_keys],
+        env={"TIDEGATE_ADMIN_KEY": key},  # None: unset, whatever the shell has
+    )
+    assert result.exit_code == 1
+    (line,) = result.output.strip().splitlines()  # one line, no raw HTTP error and link
+    assert line.startswith(f"error: {gateway_with_keys}/admin/autoscaler {says}"), line
+    assert "--key KEY" in line
+    assert "TIDEGATE_ADMIN_KEY=KEY" in line
+    assert "http" not in line.removeprefix(f"error: {gateway_with_keys}")
+
+
+def test_the_readme_status_names_what_works_and_nothing_as_to_come() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    status = " ".join(line for line in readme.splitlines() if line.startswith(">"))
+    assert status.startswith("> Status:"), status
+    assert "next issue" not in status
+    for command in ("tidegate serve", "tidegate profile", "tidegate simulate", "tidegate k8s"):
+        assert command in status, command

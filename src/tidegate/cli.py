@@ -397,12 +397,12 @@ def explain(
     """Why a model has the replicas it has: the autoscaler's recent decisions and their rules."""
     import httpx
 
-    from tidegate.control.explain import fetch_autoscaler, format_decisions
+    from tidegate.control.explain import fetch_autoscaler, fetch_failure, format_decisions
 
     try:
         models = fetch_autoscaler(url, key)["models"]
     except httpx.HTTPError as exc:
-        typer.echo(f"error: cannot ask {url}/admin/autoscaler: {exc}", err=True)
+        typer.echo(f"error: {fetch_failure(url, exc, key_given=bool(key))}", err=True)
         raise typer.Exit(1) from None
     if model not in models:
         known = ", ".join(models) or "none"

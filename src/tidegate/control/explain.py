@@ -1,7 +1,8 @@
 """What ``tidegate explain MODEL`` and ``tidegate defrag --dry-run`` print.
 
 ``explain`` asks a running gateway (``GET /admin/autoscaler``) and prints the autoscaler's
-recent decisions for one model with the rule and the numbers behind each. ``defrag`` works
+recent decisions for one model with the rule and the numbers behind each; when the gateway
+refuses, one line says why and which option or variable fixes it. ``defrag`` works
 from a config file alone: it places the configured replicas on the declared devices the way
 ``tidegate serve`` does and prints the fewest moves (core ``plan_defrag``) that free whole
 devices.
@@ -17,12 +18,33 @@ from tidegate.config import TidegateConfig
 from tidegate.control.inventory import initial_placement
 from tidegate.core.placement import DefragPlan, plan_defrag
 
+KEY_OPTION = "--key"
+KEY_VARIABLE = "TIDEGATE_ADMIN_KEY"  # what --key reads when it is not given
+
 
 def fetch_autoscaler(url: str, key: str | None) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     response = httpx.get(f"{url.rstrip('/')}/admin/autoscaler", headers=headers, timeout=10)
     response.raise_for_status()
     return dict(response.json())
+
+
+def fetch_failure(url: str, exc: httpx.HTTPError, key_given: bool) -> str:
+    """One line on why the gateway did not answer, and what to do about it."""
+    where = f"{url.rstrip('/')}/admin/autoscaler"
+    if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401:
+        if key_given:
+            return (
+                f"{where} refused the API key given: pass one of the gateway's keys with "
+                f"{KEY_OPTION} KEY or {KEY_VARIABLE}=KEY"
+            )
+        return (
+            f"{where} needs an API key (the gateway has keys): pass {KEY_OPTION} KEY or set "
+            f"{KEY_VARIABLE}=KEY"
+        )
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"{where} answered {exc.response.status_code} {exc.response.reason_phrase}"
+    return f"cannot ask {where}: {exc}"
 
 
 def format_decisions(model: str, state: dict[str, Any], last: int, changes_only: bool) -> str:
