@@ -866,3 +866,53 @@ def test_notes(data: dict[str, Any], note: str) -> None:
     config = parse(data)
     assert any(note in line for line in config.notes), config.notes
     assert f"# note: {note}" in render_config(config)
+
+
+_FAST_SLOW = {"fast": {"priorities": ["high"]}, "slow": {"priorities": ["low", "medium"]}}
+
+
+@pytest.mark.parametrize(
+    ("data", "note"),
+    [
+        (
+            {"pools": _FAST_SLOW, "models": [{"name": "minilm", "pools": ["fast"]}]},
+            "model minilm: no pool of its pools (fast) serves medium, low; such requests run "
+            "only once aged into a served level: medium after 32 s (as high), low after 34 s",
+        ),
+        (
+            {
+                "priorities": {"aging": {"rate_per_s": 0}},
+                "pools": _FAST_SLOW,
+                "models": [{"name": "minilm", "pools": ["fast"]}],
+            },
+            "warning: model minilm: medium, low requests can only wait, never run: no pool of "
+            "its pools (fast) serves them and aging is off",
+        ),
+        (
+            {"pools": _FAST_SLOW, "models": [{"name": "minilm", "pools": ["slow"]}]},
+            "warning: model minilm: high requests can only wait, never run: no pool of its "
+            "pools (slow) serves them and aging cannot bring them there",
+        ),
+    ],
+    ids=["aged_into_a_served_level", "aging_off_can_only_wait", "more_urgent_than_served"],
+)
+def test_levels_a_model_does_not_serve_are_noted_with_what_becomes_of_them(
+    data: dict[str, Any], note: str
+) -> None:
+    config = parse(data)
+    assert any(line.startswith(note) for line in config.notes), config.notes
+    assert f"# note: {note}" in render_config(config)
+
+
+def test_a_level_that_runs_once_aged_is_not_called_one_that_can_only_wait() -> None:
+    data = {"pools": _FAST_SLOW, "models": [{"name": "minilm", "pools": ["fast"]}]}
+    assert not any("can only wait" in note for note in parse(data).notes)
+    data["priorities"] = {"aging": {"rate_per_s": 0}}
+    assert not any("once aged" in note for note in parse(data).notes)
+
+
+def test_config_check_of_the_autoscaling_example_says_how_long_chat_requests_age() -> None:
+    code, text = check_config(Path(__file__).parent.parent / "examples" / "autoscaling.yaml")
+    assert code == 0
+    assert "medium after 32 s (as high), low after 34 s (as high)" in text
+    assert "can only wait" not in text

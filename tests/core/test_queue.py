@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -13,7 +14,10 @@ from tidegate.core.queue import (
     QueueConfig,
     Rejected,
     WaitQueue,
+    aged_level,
     effective_priority,
+    reaches_level_at,
+    unreachable_levels,
 )
 from tidegate.core.request import Request, RequestState
 
@@ -344,6 +348,162 @@ def test_pop_restricted_to_levels_of_a_pool() -> None:
     assert ids(queue.pop(5, 2.0, levels=[1, 2])) == ["low"]
     assert ids(queue.pop(5, 2.0, levels=[1, 2])) == []
     assert ids(queue.pop(5, 2.0, levels=[0])) == ["high"]
+
+
+# ------------------------------------------------------------- pools that serve some levels
+# Default aging: threshold 30 s, 0.5 level/s. A medium request reaches high 32 s after its
+# arrival, a low one reaches medium at 32 s and high at 34 s.
+@dataclass(frozen=True)
+class PoolPickScenario:
+    name: str
+    arrivals: list[Request]
+    served: frozenset[int]  # the levels of the pools with a free slot
+    pick_at: float
+    expected: list[str]  # what pop(10) returns, in order
+    next_eligible_at: float | None  # what the caller's timer is set to, after the pop
+    aging: AgingConfig = field(default_factory=AgingConfig)
+
+
+POOL_PICK_SCENARIOS = [
+    PoolPickScenario(
+        "medium_not_yet_aged_waits_for_a_high_only_pool",
+        [req("med", 1, 0.0)],
+        frozenset({0}),
+        pick_at=31.9,
+        expected=[],
+        next_eligible_at=32.0,
+    ),
+    PoolPickScenario(
+        "medium_aged_to_high_runs_in_a_high_only_pool",
+        [req("med", 1, 0.0)],
+        frozenset({0}),
+        pick_at=32.0,
+        expected=["med"],
+        next_eligible_at=None,
+    ),
+    PoolPickScenario(
+        "low_half_aged_still_waits_for_a_high_only_pool",
+        [req("low", 2, 0.0)],
+        frozenset({0}),
+        pick_at=33.0,
+        expected=[],
+        next_eligible_at=34.0,
+    ),
+    PoolPickScenario(
+        "low_aged_to_medium_runs_in_a_medium_only_pool",
+        [req("low", 2, 0.0)],
+        frozenset({1}),
+        pick_at=32.0,
+        expected=["low"],
+        next_eligible_at=None,
+    ),
+    PoolPickScenario(
+        # Aged to high, medium ties with high at the top level: the earlier arrival first.
+        "aged_medium_goes_before_a_later_high",
+        [req("med", 1, 0.0), req("high", 0, 31.0)],
+        frozenset({0}),
+        pick_at=33.0,
+        expected=["med", "high"],
+        next_eligible_at=None,
+    ),
+    PoolPickScenario(
+        "aged_medium_goes_after_an_earlier_high",
+        [req("high", 0, 0.0), req("med", 1, 0.0)],
+        frozenset({0}),
+        pick_at=33.0,
+        expected=["high", "med"],
+        next_eligible_at=None,
+    ),
+    PoolPickScenario(
+        # Only the oldest medium has aged: the next one's time is the timer.
+        "only_aged_requests_of_a_level_are_taken",
+        [req("m1", 1, 0.0), req("m2", 1, 5.0), req("m3", 1, 10.0)],
+        frozenset({0}),
+        pick_at=37.0,
+        expected=["m1", "m2"],
+        next_eligible_at=42.0,
+    ),
+    PoolPickScenario(
+        "aging_disabled_never_brings_medium_to_high",
+        [req("med", 1, 0.0)],
+        frozenset({0}),
+        pick_at=1e6,
+        expected=[],
+        next_eligible_at=None,
+        aging=AgingConfig(threshold_s=30.0, rate_per_s=0.0),
+    ),
+    PoolPickScenario(
+        # Aging goes towards high only: a high request never runs in a low-only pool.
+        "high_never_runs_in_a_low_only_pool",
+        [req("high", 0, 0.0), req("low", 2, 1.0)],
+        frozenset({2}),
+        pick_at=1e6,
+        expected=["low"],
+        next_eligible_at=None,
+    ),
+    PoolPickScenario(
+        "served_level_is_taken_without_waiting",
+        [req("med", 1, 0.0), req("low", 2, 0.0)],
+        frozenset({1}),
+        pick_at=1.0,
+        expected=["med"],
+        next_eligible_at=32.0,
+    ),
+]
+
+
+@pytest.mark.parametrize("scenario", POOL_PICK_SCENARIOS, ids=lambda s: s.name)
+def test_pick_for_pools_uses_the_aged_level(scenario: PoolPickScenario) -> None:
+    queue = WaitQueue(QueueConfig(aging=scenario.aging))
+    admit_all(queue, *scenario.arrivals)
+    assert ids(queue.peek(10, scenario.pick_at, levels=scenario.served)) == scenario.expected
+    first = queue.peek(1, scenario.pick_at, levels=scenario.served)
+    assert ids(first) == scenario.expected[:1]  # the dispatcher's one-at-a-time pick agrees
+    assert ids(queue.pop(10, scenario.pick_at, levels=scenario.served)) == scenario.expected
+    assert queue.next_eligible_at(scenario.served) == scenario.next_eligible_at
+
+
+@pytest.mark.parametrize(
+    ("level", "wait_s", "expected"),
+    [(2, 0.0, 2), (2, 31.9, 2), (2, 32.0, 1), (2, 33.9, 1), (2, 34.0, 0), (2, 1e9, 0), (0, 5, 0)],
+)
+def test_aged_level_is_the_whole_level_reached(level: int, wait_s: float, expected: int) -> None:
+    queue = WaitQueue()
+    assert queue.aged_level(req("r", level, 100.0), 100.0 + wait_s) == expected
+
+
+def test_aged_level_agrees_with_eligibility_at_awkward_times() -> None:
+    # Rates and arrivals whose sums do not round exactly: aged_level and the pick must agree
+    # on the very instant reaches_level_at names, or a timer would fire a moment too early.
+    aging = AgingConfig(threshold_s=0.1, rate_per_s=3.0)
+    for arrival_at in (0.1, 0.7, 1e6 + 0.3, 123456.789):
+        at = reaches_level_at(2, 0, arrival_at, aging)
+        assert at is not None
+        assert aged_level(2, arrival_at, at, aging) == 0
+        assert aged_level(2, arrival_at, math.nextafter(at, -math.inf), aging) == 1
+        queue = WaitQueue(QueueConfig(aging=aging))
+        admit_all(queue, req("r", 2, arrival_at))
+        assert queue.next_eligible_at({0}) == at
+        assert ids(queue.peek(1, math.nextafter(at, -math.inf), levels={0})) == []
+        assert ids(queue.peek(1, at, levels={0})) == ["r"]
+
+
+@pytest.mark.parametrize(
+    ("served", "aging", "expected"),
+    [
+        ({0, 1, 2}, AgingConfig(), ()),
+        ({0}, AgingConfig(), ()),  # medium and low age into high
+        ({1}, AgingConfig(), (0,)),  # high is more urgent than anything served
+        ({2}, AgingConfig(), (0, 1)),
+        ({0}, AgingConfig(rate_per_s=0.0), (1, 2)),  # aging disabled: only served levels run
+        ((), AgingConfig(), (0, 1, 2)),
+    ],
+    ids=["all", "high_only", "medium_only", "low_only", "aging_off", "nothing"],
+)
+def test_unreachable_levels(
+    served: set[int], aging: AgingConfig, expected: tuple[int, ...]
+) -> None:
+    assert unreachable_levels(served, 3, aging) == expected
 
 
 def test_requeue_puts_a_retried_request_first_in_its_level() -> None:

@@ -76,6 +76,19 @@ class QueueMachine(RuleBasedStateMachine):
             t.seq,
         )
 
+    def _servable(self, r: Request, allowed: set[int]) -> bool:
+        """At its own level, or at a served level it has aged to (by the formula)."""
+        aging = CONFIG.aging
+        return any(
+            s == r.priority
+            or (
+                s < r.priority
+                and self.now
+                >= r.arrival_at + aging.threshold_s + (r.priority - s) / aging.rate_per_s
+            )
+            for s in allowed
+        )
+
     # ------------------------------------------------------------------ rules
     # Round steps make exact ties in effective priority (aged to the floor) common.
     @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 2.0, 5.0, 10.0]) | st.floats(0.0, 8.0))
@@ -118,7 +131,7 @@ class QueueMachine(RuleBasedStateMachine):
             (
                 t
                 for t in self.tracked.values()
-                if t.status == "queued" and t.request.priority in allowed
+                if t.status == "queued" and self._servable(t.request, allowed)
             ),
             key=self._key,
         )
@@ -134,6 +147,20 @@ class QueueMachine(RuleBasedStateMachine):
         assert [r.id for r in popped] == expected
         for r in popped:
             self.tracked[r.id].status = "dispatched"
+
+    @rule(levels=st.sets(st.integers(0, 2), min_size=1))
+    def aging_timer(self, levels: set[int]) -> None:
+        at = self.queue.next_eligible_at(levels)
+        assert at == self.twin.next_eligible_at(frozenset(levels))
+        aging = CONFIG.aging
+        times = [
+            t.request.arrival_at + aging.threshold_s + (t.request.priority - s) / aging.rate_per_s
+            for t in self.tracked.values()
+            if t.status == "queued" and t.request.priority not in levels
+            for s in levels
+            if s < t.request.priority
+        ]
+        assert at == (min(times) if times else None)
 
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
@@ -262,3 +289,65 @@ def test_aging_bounds_the_wait_of_every_request(
 
 QueueMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 TestQueueMachine = QueueMachine.TestCase
+
+
+@given(
+    arrivals=st.lists(
+        st.tuples(st.integers(0, 2), st.sampled_from([0.0, 0.1, 0.5, 1.0, 3.0])),
+        min_size=1,
+        max_size=80,
+    ),
+    served=st.sets(st.integers(0, 2), min_size=1),
+    pick_every_s=st.sampled_from([0.2, 0.5, 1.0, 2.0]),
+    aging=st.sampled_from([AgingConfig(5.0, 0.5), AgingConfig(2.0, 2.0), AgingConfig(30.0, 0.5)]),
+)
+@settings(max_examples=150, deadline=None)
+def test_every_request_aging_can_bring_to_a_served_level_is_picked_within_the_bound(
+    arrivals: list[tuple[int, float]],
+    served: set[int],
+    pick_every_s: float,
+    aging: AgingConfig,
+) -> None:
+    """Picks restricted to ``served`` (the levels of the only pools there are), as the
+    dispatcher's: a request whose level is not served but aging reaches a served level is
+    picked within the same bound as an unrestricted pick; one that aging cannot bring to a
+    served level (more urgent than every served one) is never picked.
+
+    The bound holds because at ``threshold + level / rate`` a request is at the top level,
+    eligible for any served level at or above its own, and only earlier arrivals tie with it.
+    """
+    queue = WaitQueue(QueueConfig(max_size=10_000, aging=aging))
+    never = set(queue.unreachable_levels(served))
+    assert never == {level for level in range(3) if level < min(served)}
+    bound_at: dict[str, float] = {}
+    picked: set[str] = set()
+    pending = []
+    now = 0.0
+    for level, gap_s in arrivals:
+        now += gap_s
+        pending.append((now, level))
+    last_bound_at = 0.0
+    clock = 0.0
+    index = 0
+    while index < len(pending) or clock <= last_bound_at:
+        while index < len(pending) and pending[index][0] <= clock:
+            arrival_at, level = pending[index]
+            rid = f"r{index}"
+            if level not in never:
+                bound_at[rid] = (
+                    arrival_at
+                    + aging.threshold_s
+                    + level / aging.rate_per_s
+                    + (len(queue) + 1) * pick_every_s
+                )
+                last_bound_at = max(last_bound_at, bound_at[rid])
+            assert isinstance(
+                queue.admit(Request(rid, "m", level, arrival_at), arrival_at), Admitted
+            )
+            index += 1
+        for request in queue.pop(1, clock, levels=frozenset(served)):
+            assert request.priority not in never, (request, served)
+            assert clock <= bound_at[request.id] + 1e-9, (request, clock, bound_at[request.id])
+            picked.add(request.id)
+        clock += pick_every_s
+    assert picked == set(bound_at)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tidegate.core.routing import PoolSpec, ReplicaView, pick_replica
+from tidegate.core.routing import PoolSpec, ReplicaView, pick_replica, serves
 
 POOLS = {
     "dedicated": PoolSpec("dedicated", frozenset({0})),
@@ -24,6 +24,7 @@ class RouteScenario:
     replicas: list[ReplicaView]
     priority: int
     expected: str | None
+    aged_level: int | None = None  # the level the request has reached by aging
 
 
 SCENARIOS = [
@@ -50,6 +51,34 @@ SCENARIOS = [
         0,
         "d",
     ),
+    RouteScenario(
+        "medium_not_aged_stays_off_dedicated",
+        [rep("d", "dedicated"), rep("s", busy=4)],
+        1,
+        None,
+        aged_level=1,
+    ),
+    RouteScenario(
+        "medium_aged_to_high_uses_idle_dedicated",
+        [rep("d", "dedicated"), rep("s", busy=4)],
+        1,
+        "d",
+        aged_level=0,
+    ),
+    RouteScenario(
+        "aged_low_stays_in_its_own_pool_while_that_has_room",
+        [rep("d", "dedicated"), rep("s", busy=3)],
+        2,
+        "s",
+        aged_level=0,
+    ),
+    RouteScenario(
+        "aged_low_takes_the_least_loaded_reached_pool_when_its_own_is_full",
+        [rep("d1", "dedicated", busy=3), rep("d2", "dedicated", busy=1), rep("s", busy=4)],
+        2,
+        "d2",
+        aged_level=0,
+    ),
     RouteScenario("unknown_pool_is_skipped", [rep("x", "gone")], 0, None),
     RouteScenario("zero_slots_is_never_picked", [rep("a", slots=0)], 0, None),
 ]
@@ -57,8 +86,29 @@ SCENARIOS = [
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_pick_replica(scenario: RouteScenario) -> None:
-    picked = pick_replica(scenario.replicas, scenario.priority, POOLS)
+    picked = pick_replica(
+        scenario.replicas, scenario.priority, POOLS, aged_level=scenario.aged_level
+    )
     assert (picked.id if picked else None) == scenario.expected
+
+
+@pytest.mark.parametrize(
+    ("served", "priority", "aged_level", "expected"),
+    [
+        ({0}, 0, None, True),
+        ({0}, 1, None, False),
+        ({0}, 1, 1, False),
+        ({0}, 1, 0, True),
+        ({0}, 2, 1, False),  # half way: a high-only pool needs it at high
+        ({1}, 2, 1, True),
+        ({1}, 2, 0, True),  # aged past medium: still on its way through it
+        ({2}, 0, 0, False),  # aging never makes a request less urgent
+    ],
+)
+def test_pool_serves_a_request_at_its_level_or_one_it_aged_to(
+    served: set[int], priority: int, aged_level: int | None, expected: bool
+) -> None:
+    assert serves(PoolSpec("p", frozenset(served)), priority, aged_level) is expected
 
 
 def test_power_of_two_choices_is_deterministic_and_never_picks_the_busiest() -> None:

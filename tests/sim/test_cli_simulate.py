@@ -143,7 +143,13 @@ models:
         classes = run["classes"].values()
         assert sum(c["requests"] for c in classes) == run["overall"]["requests"]
         ended = sum(
-            c["completed"] + c["shed"] + sum(c["rejected"].values()) + c["expired"] + c["failed"]
+            c["completed"]
+            + c["shed"]
+            + sum(c["rejected"].values())
+            + c["expired"]
+            + c["failed"]
+            + c["unservable"]
+            + c["stranded"]
             for c in classes
         )
         assert ended == run["overall"]["requests"]  # every request ended exactly once

@@ -1,4 +1,5 @@
-"""Pydantic errors turned into ConfigErrors that name the dotted key and the fix."""
+"""Pydantic errors turned into ConfigErrors that name the dotted key and the fix; notes on
+levels that a model's pools do not serve."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ValidationError
 
 from tidegate.config.schema import _ConfigIn
+from tidegate.core.queue import AgingConfig, reaches_level_at, unreachable_levels
 from tidegate.errors import ConfigError
 
 # ----------------------------------------------------------------------------- pydantic errors
@@ -181,3 +183,61 @@ def _describe(value: Any) -> str:
     if isinstance(value, dict):
         return "a mapping"
     return f"a {type(value).__name__}"
+
+
+# ----------------------------------------------------------------------------- pool coverage
+
+
+def unserved_level_notes(
+    model: str,
+    model_pools: Iterable[str],
+    served_names: Iterable[str],
+    levels: tuple[str, ...],
+    aging: AgingConfig,
+) -> list[str]:
+    """Notes for the levels no pool of a model serves: how long they wait before they may
+    run (aged into a served level), and a warning for those that can only wait.
+
+    A request runs in a pool serving its level or a more urgent one it has aged to; aging
+    never makes it less urgent, so a level more urgent than every served one, or any
+    unserved level with aging off, never runs.
+    """
+    served = {levels.index(name) for name in served_names}
+    unserved = [level for level in range(len(levels)) if level not in served]
+    if not unserved:
+        return []
+    never = set(unreachable_levels(served, len(levels), aging))
+    pools_text = ", ".join(model_pools)
+    notes = []
+    waits = []
+    for level in unserved:
+        if level in never:
+            continue
+        target = max(s for s in served if s < level)
+        at = reaches_level_at(level, target, 0.0, aging)
+        waits.append(f"{levels[level]} after {at:g} s (as {levels[target]})")
+    if waits:
+        names = ", ".join(levels[level] for level in unserved if level not in never)
+        notes.append(
+            f"model {model}: no pool of its pools ({pools_text}) serves {names}; such requests "
+            f"run only once aged into a served level: {', '.join(waits)} of waiting "
+            "(priorities.aging)"
+        )
+    if never:
+        names = ", ".join(levels[level] for level in sorted(never))
+        if aging.rate_per_s <= 0:
+            why = "aging is off (priorities.aging.rate_per_s: 0)"
+            fix = f"add {names} to the priorities of one of these pools, or turn aging on"
+        else:
+            served_text = ", ".join(levels[level] for level in sorted(served))
+            why = (
+                f"aging cannot bring them there (it only makes a request more urgent, and "
+                f"these pools serve only {served_text})"
+            )
+            fix = f"add {names} to the priorities of one of these pools"
+        notes.append(
+            f"warning: model {model}: {names} requests can only wait, never run: no pool of "
+            f"its pools ({pools_text}) serves them and {why}; they stay queued until their "
+            f"queue timeout or the client gives up. Fix: {fix}"
+        )
+    return notes

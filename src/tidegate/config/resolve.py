@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 from tidegate.config.control import ControlResolver
-from tidegate.config.diagnostics import _describe, _sub, suggest
+from tidegate.config.diagnostics import _describe, _sub, suggest, unserved_level_notes
 from tidegate.config.schema import (
     _AgingIn,
     _BatchingIn,
@@ -71,6 +71,7 @@ class _Resolver:
         self.base_dir = base_dir
         self.levels: tuple[str, ...] = DEFAULT_LEVELS
         self.fifo = False
+        self.aging = AgingConfig()
         self.notes: list[str] = []
         self.control = ControlResolver(source, self.notes)  # devices, GPU asks, autoscaling
         self.inventory: tuple[Device, ...] = ()
@@ -105,7 +106,7 @@ class _Resolver:
         else:
             default = "medium" if "medium" in self.levels else self.levels[-1]
         aging_in = priorities.aging or _AgingIn()
-        aging = AgingConfig(threshold_s=aging_in.threshold_s, rate_per_s=aging_in.rate_per_s)
+        aging = self.aging = AgingConfig(aging_in.threshold_s, aging_in.rate_per_s)
         self.control.declare(raw.devices)
         pools = self._pools(raw.pools)
         pools, self.inventory = self.control.devices(pools)
@@ -268,13 +269,9 @@ class _Resolver:
             max_batch_tokens=batching_in.max_batch_tokens,
             max_num_seqs=batching_in.max_num_seqs,
         )
-        served = {level for name in model_pools for level in pools[name].priorities}
-        unserved = [level for level in self.levels if level not in served]
-        if unserved and not self.fifo:
-            self.notes.append(
-                f"model {m.name}: no pool of its pools ({', '.join(model_pools)}) serves "
-                f"{', '.join(unserved)}; such requests can only run once aged into a served level"
-            )
+        if not self.fifo:  # fifo: every pool serves its one level
+            served = {level for name in model_pools for level in pools[name].priorities}
+            self.notes += unserved_level_notes(m.name, model_pools, served, self.levels, self.aging)
         return ModelSpec(
             name=m.name,
             task=task,

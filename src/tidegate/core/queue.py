@@ -4,6 +4,13 @@ Design note. One FIFO per level. Within a level the oldest request is always the
 so the most urgent request overall is the best of the level heads: a pick costs O(levels)
 and the queue is never sorted. Effective priority is
 ``max(0, level - rate_per_s * max(0, wait_s - threshold_s))``; ties go to the earlier arrival.
+A pick restricted to the levels some pools serve takes a request when one of them lies
+between its aged level (the most urgent whole level it has reached) and its own: a medium
+request aged to high may run in a high-only pool. Since aging only moves towards the top,
+the head of a FIFO is also the first of it to become eligible, so this too is decided on
+the heads alone, and ``next_eligible_at`` (a timer for the caller) is O(levels) as well.
+Eligibility is decided by comparing ``now`` with ``reaches_level_at``, the same float the
+timer is set to, so a timer never fires a moment before the pick it is for would succeed.
 Removal from the middle (cancel, shed, expire) is lazy: the entry is marked dead and dropped
 when it reaches either end of its FIFO, and the FIFOs are compacted when dead entries
 outnumber live ones, so every operation is O(1) amortised (deadlines: O(log n)).
@@ -106,6 +113,64 @@ def effective_priority(level: int, arrival_at: float, now: float, aging: AgingCo
     return max(0.0, level - aging.rate_per_s * waited_beyond_s)
 
 
+def reaches_level_at(
+    level: int, target: int, arrival_at: float, aging: AgingConfig
+) -> float | None:
+    """When a request of ``level`` arrived at ``arrival_at`` has aged to ``target``.
+
+    At arrival for ``target >= level``; None when aging never gets it there (aging disabled,
+    or a target more urgent than the top level).
+    """
+    if target >= level:
+        return arrival_at
+    if target < 0 or aging.rate_per_s <= 0:
+        return None
+    return arrival_at + aging.threshold_s + (level - target) / aging.rate_per_s
+
+
+def aged_level(level: int, arrival_at: float, now: float, aging: AgingConfig) -> int:
+    """The most urgent whole level a request has reached by aging (0 <= result <= level).
+
+    ``effective_priority`` rounded up, but decided by ``reaches_level_at`` so that it agrees
+    with the queue's eligibility to the last bit: the estimate is corrected by a step or two.
+    """
+    if level == 0 or aging.rate_per_s <= 0:
+        return level
+    gained = (now - arrival_at - aging.threshold_s) * aging.rate_per_s
+    reached = level if not gained >= 1.0 else max(0, level - int(min(gained, level)))
+    while reached > 0 and now >= _reached_at(level, reached - 1, arrival_at, aging):
+        reached -= 1
+    while reached < level and now < _reached_at(level, reached, arrival_at, aging):
+        reached += 1
+    return reached
+
+
+def unreachable_levels(
+    served: Iterable[int], num_levels: int, aging: AgingConfig
+) -> tuple[int, ...]:
+    """Levels whose requests no level of ``served`` can ever take, however long they wait.
+
+    A request runs at its own level or, aged, at any more urgent one down to the top; so a
+    level is reachable when it is served, or when aging is on and some more urgent level is.
+    """
+    served_set = set(served)
+    unreachable = []
+    most_urgent_served: int | None = None
+    for level in range(num_levels):
+        if level in served_set:
+            if most_urgent_served is None:
+                most_urgent_served = level
+            continue
+        if most_urgent_served is None or aging.rate_per_s <= 0:
+            unreachable.append(level)
+    return tuple(unreachable)
+
+
+def _reached_at(level: int, target: int, arrival_at: float, aging: AgingConfig) -> float:
+    at = reaches_level_at(level, target, arrival_at, aging)
+    return float("inf") if at is None else at
+
+
 class DrainRate:
     """Requests drained per second over a sliding window, fed by the caller with completions."""
 
@@ -204,6 +269,42 @@ class WaitQueue:
         while self._deadlines and not self._deadlines[0][2].alive:
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0] if self._deadlines else None
+
+    def next_eligible_at(self, levels: Iterable[int] | None = None) -> float | None:
+        """The earliest time a queued request of a level not in ``levels`` has aged into one.
+
+        A timer for the caller, whose free slots serve ``levels``: after a pick restricted to
+        them found nothing, it lies in the future. None when no queued request outside
+        ``levels`` ever reaches one of them (or ``levels`` is None: every level is served).
+        Requests at a served level do not count: they are eligible from their arrival.
+        """
+        if levels is None:
+            return None
+        served = _as_set(levels)
+        aging = self.config.aging
+        target = -1  # the least urgent served level at or above the current one
+        earliest: float | None = None
+        for level in range(len(self._fifos)):
+            if level in served:
+                target = level
+                continue
+            if target < 0:
+                continue
+            head = self._front(level)
+            if head is None:
+                continue
+            at = reaches_level_at(level, target, head.request.arrival_at, aging)
+            if at is not None and (earliest is None or at < earliest):
+                earliest = at
+        return earliest
+
+    def aged_level(self, request: Request, now: float) -> int:
+        """The most urgent whole level ``request`` has reached by aging: what routing uses."""
+        return aged_level(request.priority, request.arrival_at, now, self.config.aging)
+
+    def unreachable_levels(self, served: Iterable[int]) -> tuple[int, ...]:
+        """Levels no level of ``served`` can ever take under this queue's aging."""
+        return unreachable_levels(served, len(self._fifos), self.config.aging)
 
     def predicted_wait_s(self, level: int, now: float) -> float | None:
         """Time to drain what would be picked before a new arrival at ``level``.
@@ -307,8 +408,9 @@ class WaitQueue:
 
         ``max_tokens`` bounds the sum of their cost estimates; the first request is taken
         even when it alone is over the budget, or it could never be served. ``levels``
-        restricts the pick to the levels a pool serves. Stops at the first request that
-        does not fit, so a cheap request never overtakes a more urgent one.
+        restricts the pick to requests that the levels some pools serve can take: at their
+        own level, or at one they have aged to (module docstring). Stops at the first
+        request that does not fit, so a cheap request never overtakes a more urgent one.
         """
         chosen = self._select(n, now, max_tokens, levels)
         for entry in chosen:
@@ -419,15 +521,18 @@ class WaitQueue:
         """Merge the level FIFOs by (effective priority, arrival, seq), stopping early.
 
         Each candidate is (key, level, entry, cursor); keys are unique (seq), so ``min``
-        never compares past the key.
+        never compares past the key. A level leaves the merge at its first entry that is not
+        eligible: those behind it arrived later, so they have aged less.
         """
         if n == 1:
             return self._select_one(now, levels)
-        wanted = range(len(self._fifos)) if levels is None else sorted(set(levels))
+        targets = self._targets(levels)
         heads: list[tuple[tuple[float, float, int], int, _Entry, Iterator[_Entry]]] = []
-        for level in wanted:
+        for level, target in enumerate(targets):
+            if target < 0:
+                continue
             head = self._front(level)
-            if head is None:
+            if head is None or not self._eligible(head, target, now):
                 continue
             cursor = iter(self._fifos[level])
             next(cursor)  # the head itself
@@ -444,22 +549,33 @@ class WaitQueue:
             tokens += cost
             following = _next_alive(best[3])
             index = heads.index(best)
-            if following is None:
+            if following is None or not self._eligible(following, targets[best[1]], now):
                 del heads[index]
             else:
                 heads[index] = self._candidate(following, best[3], now)
         return chosen
 
     def _select_one(self, now: float, levels: Iterable[int] | None) -> list[_Entry]:
-        """``_select`` for one pick (the dispatcher's case): the best of the level heads."""
+        """``_select`` for one pick (the dispatcher's case): the best eligible level head."""
         aging = self.config.aging
+        served = None if levels is None else _as_set(levels)
         best: _Entry | None = None
         best_key: tuple[float, float, int] | None = None
-        for level in range(len(self._fifos)) if levels is None else levels:
+        target = -1  # the least urgent served level at or above the current one
+        for level in range(len(self._fifos)):
+            if served is None or level in served:
+                target = level
+            elif target < 0:
+                continue  # nothing served at or above it: aging cannot get it anywhere
             head = self._front(level)
             if head is None:
                 continue
             request = head.request
+            if target != level:
+                # Why: it runs only once aged to ``target``; time decides, not the float key.
+                at = reaches_level_at(level, target, request.arrival_at, aging)
+                if at is None or now < at:
+                    continue
             key = (
                 effective_priority(request.priority, request.arrival_at, now, aging),
                 request.arrival_at,
@@ -469,12 +585,36 @@ class WaitQueue:
                 best, best_key = head, key
         return [] if best is None else [best]
 
+    def _targets(self, levels: Iterable[int] | None) -> list[int]:
+        """Per level, the least urgent served level at or above it in urgency; -1 for none."""
+        if levels is None:
+            return list(range(len(self._fifos)))
+        served = _as_set(levels)
+        targets = []
+        target = -1
+        for level in range(len(self._fifos)):
+            if level in served:
+                target = level
+            targets.append(target)
+        return targets
+
+    def _eligible(self, entry: _Entry, target: int, now: float) -> bool:
+        request = entry.request
+        if target == request.priority:
+            return True
+        at = reaches_level_at(request.priority, target, request.arrival_at, self.config.aging)
+        return at is not None and now >= at
+
     def _candidate(
         self, entry: _Entry, cursor: Iterator[_Entry], now: float
     ) -> tuple[tuple[float, float, int], int, _Entry, Iterator[_Entry]]:
         request = entry.request
         effective = effective_priority(request.priority, request.arrival_at, now, self.config.aging)
         return ((effective, request.arrival_at, entry.seq), request.priority, entry, cursor)
+
+
+def _as_set(levels: Iterable[int]) -> set[int] | frozenset[int]:
+    return levels if isinstance(levels, set | frozenset) else set(levels)
 
 
 def _next_alive(cursor: Iterator[_Entry]) -> _Entry | None:

@@ -2,17 +2,22 @@
 
 Design note. Only replicas that are ready, belong to a pool serving the priority and have a
 free slot are eligible: a replica holds only what it can batch soon, the backlog stays in
-the gateway's queue where priority and aging apply. Among the eligible, the least loaded
-(in-flight / slots) wins, ties broken by replica id so the choice is reproducible. Above
-``power_of_two_above`` replicas the router samples two eligible replicas and takes the less
-loaded: O(1) instead of O(n), and several gateways do not all pile onto the same one. The
-sample is drawn from ``choice_key`` so the same inputs give the same pick.
+the gateway's queue where priority and aging apply. A pool serves a request when it serves
+its level or a level it has aged to (``aged_level``, from the queue): a medium request aged
+to high may run in a high-only pool, so no level waits forever behind a pool boundary. A
+pool of its own level comes first, though: aging lets a request reach a pool, it does not
+move it off its own while that has room (a dedicated slot stays free for the work it is
+for). Among the eligible, the least loaded (in-flight / slots) wins, ties broken by replica id so
+the choice is reproducible. Above ``power_of_two_above`` replicas the router samples two
+eligible replicas and takes the less loaded: O(1) instead of O(n), and several gateways do
+not all pile onto the same one. The sample is drawn from ``choice_key`` so the same inputs
+give the same pick.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -43,16 +48,33 @@ DEFAULT_POWER_OF_TWO_ABOVE = 16
 
 
 def eligible_replicas(
-    replicas: Iterable[ReplicaView], priority: int, pools: Mapping[str, PoolSpec]
+    replicas: Iterable[ReplicaView],
+    priority: int,
+    pools: Mapping[str, PoolSpec],
+    aged_level: int | None = None,
 ) -> list[ReplicaView]:
-    """Ready replicas with a free slot in pools that serve ``priority``."""
+    """Ready replicas with a free slot in pools that serve ``priority`` (aged: see serves)."""
     return [
         replica
         for replica in replicas
         if replica.has_free_slot
         and replica.pool in pools
-        and priority in pools[replica.pool].priorities
+        and serves(pools[replica.pool], priority, aged_level)
     ]
+
+
+def serves(pool: PoolSpec, priority: int, aged_level: int | None = None) -> bool:
+    """Whether ``pool`` takes a request of ``priority`` that has aged to ``aged_level``.
+
+    It does when it serves the request's own level or any level between that and the one
+    it has reached by aging (``WaitQueue.aged_level``; None: not aged).
+    """
+    served = pool.priorities
+    if priority in served:
+        return True
+    if aged_level is None or aged_level >= priority:
+        return False
+    return any(aged_level <= level < priority for level in served)
 
 
 def pick_replica(
@@ -60,11 +82,20 @@ def pick_replica(
     priority: int,
     pools: Mapping[str, PoolSpec],
     *,
+    aged_level: int | None = None,
     power_of_two_above: int = DEFAULT_POWER_OF_TWO_ABOVE,
     choice_key: int = 0,
 ) -> ReplicaView | None:
-    """The replica to send a request of ``priority`` to, or None when none can take it."""
+    """The replica to send a request of ``priority`` (aged to ``aged_level``) to, or None.
+
+    Replicas of pools serving ``priority`` first; only when none has a free slot, those of
+    pools serving a level it has aged to (module docstring).
+    """
+    if not isinstance(replicas, Collection):
+        replicas = list(replicas)  # it may be scanned twice
     candidates = eligible_replicas(replicas, priority, pools)
+    if not candidates and aged_level is not None and aged_level < priority:
+        candidates = eligible_replicas(replicas, priority, pools, aged_level)
     if not candidates:
         return None
     if len(candidates) > power_of_two_above:
@@ -79,9 +110,10 @@ def servable_levels(
 ) -> frozenset[int]:
     """Levels that some ready replica with a free slot could take right now.
 
-    The dispatcher pops the most urgent request among these levels, then routes it with
-    ``pick_replica``: so a free dedicated slot takes the most urgent high-priority request
-    even while low-priority work waits for the shared pool, and low work never lands there.
+    The dispatcher pops the most urgent request these levels can take (its own level or
+    one it has aged to), then routes it with ``pick_replica``: so a free dedicated slot
+    takes the most urgent high-priority request even while low-priority work waits for the
+    shared pool, and low work lands there only once it has aged to high.
     """
     levels: set[int] = set()
     for replica in replicas:

@@ -2,12 +2,15 @@
 
 Everything runs on the event loop thread, so the queue needs no lock: handlers call
 ``submit`` / ``cancel`` / ``release`` directly, and each of them dispatches at once. The
-``run`` task covers what no handler triggers: deadlines (a timer at the queue's next
-deadline) and replicas that became ready (``wake``). No polling.
+``run`` task covers what no handler triggers: deadlines and aging (one timer at the earlier
+of the queue's next deadline and the moment a queued request ages into a level a free slot
+serves, ``next_eligible_at``) and replicas that became ready (``wake``). No polling.
 
-Dispatch rule (core): pop the most urgent request among the levels that some ready replica
-with a free slot serves (``servable_levels``), then route it with ``pick_replica``. A replica
-holds only ``slots`` requests; the backlog waits here, where priority and aging apply.
+Dispatch rule (core): pop the most urgent request that the levels some ready replica with a
+free slot serves (``servable_levels``) can take, at its own level or one it has aged to,
+then route it with ``pick_replica``: to a pool of its own level, else (aged) to one of a
+level it has reached. A replica holds only ``slots`` requests; the backlog waits here,
+where priority and aging apply.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class ModelDispatcher:
         self.level_names = [spec.name for spec in queue.levels]
         self._tickets: dict[str, Ticket] = {}
         self._wake = asyncio.Event()
-        self._timer_at: float | None = None  # the deadline the owner task sleeps until
+        self._timer_at: float | None = None  # the deadline or aging the owner task sleeps until
         self._choices = itertools.count()
         self.closed: str | None = None  # why new requests are refused, once shutting down
         # Set by the controller for an autoscaled model: with no replica ready, requests
@@ -171,24 +174,36 @@ class ModelDispatcher:
                         f"({now - request.arrival_at:.1f}s)"
                     ),
                 )
-            self._dispatch(now)
+            levels = self._dispatch(now)
             self._wake.clear()
-            deadline_at = self._timer_at = self.queue.next_deadline_at()
-            timeout = None if deadline_at is None else max(0.0, deadline_at - now)
+            wake_at = self._timer_at = _earliest(
+                self.queue.next_deadline_at(),
+                self.queue.next_eligible_at(levels) if levels and len(self.queue) else None,
+            )
+            timeout = None if wake_at is None else max(0.0, wake_at - now)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
-    def _dispatch(self, now: float) -> None:
+    def _dispatch(self, now: float) -> frozenset[int]:
+        """Dispatch what free slots can take; returns the levels still servable then."""
         views = {replica.id: replica.view() for replica in self.replicas}
         by_id = {replica.id: replica for replica in self.replicas}
+        levels: frozenset[int] = frozenset()
         while len(self.queue):
             levels = servable_levels(views.values(), self.pools)
             popped = self.queue.pop(1, now, levels=levels) if levels else ()
             if not popped:
-                return
+                self._wake_for_aging(levels)
+                return levels
             (request,) = popped
+            # Its aged level matters only where its own level has no free slot (core.routing).
+            aged = None if request.priority in levels else self.queue.aged_level(request, now)
             view = pick_replica(
-                views.values(), request.priority, self.pools, choice_key=next(self._choices)
+                views.values(),
+                request.priority,
+                self.pools,
+                aged_level=aged,
+                choice_key=next(self._choices),
             )
             assert view is not None  # a servable level has an eligible replica
             replica = by_id[view.id]
@@ -197,6 +212,19 @@ class ModelDispatcher:
             ticket = self._tickets.pop(request.id)
             ticket.assigned_at = now
             ticket.assigned.set_result(replica)
+        return levels
+
+    def _wake_for_aging(self, levels: frozenset[int]) -> None:
+        """Re-arm the owner task's timer when a queued request ages into ``levels`` sooner.
+
+        Why here: a free slot in a pool that serves only some levels (a release, a new
+        replica) or a new head of a level changes when the next request becomes eligible.
+        """
+        if not levels:
+            return
+        eligible_at = self.queue.next_eligible_at(levels)
+        if eligible_at is not None and (self._timer_at is None or eligible_at < self._timer_at):
+            self._wake.set()
 
     def fail_all(self, error: Exception) -> int:
         """Answer everything still queued with ``error`` (shutdown). Returns how many."""
@@ -230,3 +258,8 @@ class ModelDispatcher:
             self.metrics.replicas.labels(self.model, pool, state).set(count)
         demand = len(self.queue) + self.num_in_flight()
         self.metrics.queue_depth_per_replica.labels(self.model).set(demand / max(1, ready))
+
+
+def _earliest(*times: float | None) -> float | None:
+    known = [at for at in times if at is not None]
+    return min(known) if known else None

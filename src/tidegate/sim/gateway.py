@@ -6,10 +6,14 @@ Mirrors ``tidegate.gateway.dispatcher`` step by step, with the kernel's clock:
   controller that scales from zero, as the dispatcher's hook); else ``WaitQueue.admit`` with the
   saturation ``len(queue) / max_size`` (graded holdback, predicted-wait deadline check,
   capacity and shedding are the core's); shed victims end as ``shed``;
-- deadlines: one timer at ``WaitQueue.next_deadline_at()``, re-armed only for an earlier
-  deadline, firing ``expire`` then a dispatch, as the dispatcher's owner task does;
-- dispatch (flow control and routing): pop the most urgent request among
-  ``servable_levels``, route it with ``pick_replica``; a replica holds at most ``slots``;
+- deadlines and aging: one timer at the earlier of ``WaitQueue.next_deadline_at()`` and
+  ``WaitQueue.next_eligible_at(servable levels)`` (a queued request ages into a level a free
+  slot serves), re-armed only for an earlier time, firing ``expire`` then a dispatch, as the
+  dispatcher's owner task does;
+- dispatch (flow control and routing): pop the most urgent request that ``servable_levels``
+  can take (its own level or one it has aged to), route it with ``pick_replica`` (its own
+  level's pools first, else those of a level it has aged to); a replica holds at most
+  ``slots``;
 - release: a finished request frees its slot and feeds the queue's ``DrainRate``.
 
 One difference of form, not of decision: where several slots are free, the requests are
@@ -84,12 +88,13 @@ class SimGateway:
         self.recorder = recorder
         self.tickets: dict[str, Ticket] = {}  # queued ones
         self._max_size = queue.max_size
-        self._timer_at: float | None = None  # the deadline the owner task sleeps until
+        self._timer_at: float | None = None  # the deadline or aging the owner task sleeps until
         self._timer_version = 0
         # Set for a controller that scales from zero (as the dispatcher's ``on_demand``):
         # with no replica ready, requests wait in the queue and the controller hears of it.
         self.on_demand: Callable[[], None] | None = None
         self._choices = itertools.count()
+        self.num_dispatched = 0  # progress, for the run's guard against a queue that is stuck
 
     # ------------------------------------------------------------------ requests
     def submit(self, ticket: Ticket) -> None:
@@ -157,19 +162,26 @@ class SimGateway:
         for request in self.queue.expire(now):
             ticket = self.tickets.pop(request.id)
             self.recorder.ended(ticket.klass, "expired", request.id, now, now - request.arrival_at)
-        self.dispatch(now)
-        deadline_at = self.queue.next_deadline_at()
-        if deadline_at is None:
+        levels = self.dispatch(now)
+        queue = self.queue
+        wake_at = queue.next_deadline_at()
+        if levels and len(queue):
+            eligible_at = queue.next_eligible_at(levels)
+            if eligible_at is not None and (wake_at is None or eligible_at < wake_at):
+                wake_at = eligible_at
+        if wake_at is None:
             self._timer_at = None
             self._timer_version += 1
         else:
-            self._arm(deadline_at)
+            self._arm(wake_at)
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, now: float) -> None:
+    def dispatch(self, now: float) -> frozenset[int]:
+        """Dispatch what free slots can take; returns the levels still servable then."""
         queue = self.queue
+        levels: frozenset[int] = frozenset()
         if not len(queue):
-            return
+            return levels
         views = self.replicas.views
         pools = self.pools
         tickets = self.tickets
@@ -178,20 +190,36 @@ class SimGateway:
         while len(queue):
             levels = servable_levels(views.values(), pools)
             if not levels:
-                return
+                return levels
             batch = self._safe_batch() if len(queue) > 1 else 1
             popped = queue.pop(batch, now, levels=levels)
             if not popped:
-                return
+                self._arm_for_aging(levels)
+                return levels
+            self.num_dispatched += len(popped)
             for request in popped:
+                # Its aged level matters only where its own has no free slot (core.routing).
+                aged = None if request.priority in levels else queue.aged_level(request, now)
                 view = pick_replica(
-                    views.values(), request.priority, pools, choice_key=next(choices)
+                    views.values(),
+                    request.priority,
+                    pools,
+                    aged_level=aged,
+                    choice_key=next(choices),
                 )
                 assert view is not None  # a servable level has an eligible replica
                 ticket = tickets.pop(request.id)
                 ticket.dispatched_at = now
                 ticket.replica = view.id
                 occupy(view.id, ticket)
+        return levels
+
+    def _arm_for_aging(self, levels: frozenset[int]) -> None:
+        """An earlier timer when a queued request ages into ``levels`` sooner (dispatcher's
+        ``_wake_for_aging``): a slot freed in a pool that serves only some levels."""
+        eligible_at = self.queue.next_eligible_at(levels)
+        if eligible_at is not None and (self._timer_at is None or eligible_at < self._timer_at):
+            self._arm(eligible_at)
 
     def _safe_batch(self) -> int:
         """How many pops in a row cannot change the servable levels (module docstring)."""

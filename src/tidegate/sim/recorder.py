@@ -24,6 +24,8 @@ OUTCOMES = (
     "unavailable",  # 503: no ready replica when it arrived
     "expired",
     "failed",
+    "unservable",  # still queued at the end: no pool of the model takes its level, even aged
+    "stranded",  # still queued at the end: nothing left could serve it (see sim.run)
 )
 _STEP = 1.01
 _LOG_STEP = math.log(_STEP)
@@ -130,6 +132,17 @@ class Recorder:
             stats.max_wait_s = wait_s
         if at > self.last_done_at:
             self.last_done_at = at
+        if self.requests is not None:
+            self.requests.append(RequestRecord(request_id, stats.name, outcome, wait_s, None, None))
+
+    def unserved(self, klass: int, outcome: str, request_id: str, wait_s: float) -> None:
+        """A request still queued when the run ended (``unservable`` or ``stranded``).
+
+        Unlike ``ended``, the end of the run does not move ``last_done_at``: the span of the
+        run (throughput, goodput) stays that of the work that was done.
+        """
+        stats = self.classes[klass]
+        stats.outcomes[outcome] += 1
         if self.requests is not None:
             self.requests.append(RequestRecord(request_id, stats.name, outcome, wait_s, None, None))
 

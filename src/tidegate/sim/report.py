@@ -6,9 +6,15 @@ byte-identical file. Per priority class (the workload's names, also under fifo):
 completed, shed, rejected by reason, expired, failed; p50/p95/p99 of the gateway queue
 wait, time to first token and end-to-end latency; SLO attainment (completed within the
 class's TTFT SLO, over *all* its requests: a refused request is a miss) and goodput
-(requests/s that met it); the longest queue wait. Overall: throughput, output tokens/s,
-the batch-size distribution (generation: running sequences per engine step),
-replica-hours and GPU-hours (replica-hours x GPUs per replica), the queue depth over time.
+(requests/s that met it); the longest queue wait; what never ran (``unservable``,
+``stranded``: still queued when the run ended, see ``sim.run``). Overall: throughput,
+output tokens/s, the batch-size distribution (generation: running sequences per engine
+step), replica-hours and GPU-hours (replica-hours x GPUs per replica), the queue depth
+over time, and ``stopped``: why requests were left queued, or null.
+
+``warnings`` (in the report, report.md and the terminal table) say where a comparison
+shows less than it seems: every request at one priority level (priority and fifo then
+schedule alike), or requests that never ran.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ def _class_summary(stats: ClassStats, span_s: float) -> dict[str, Any]:
         "rejected": {reason.removeprefix("rejected_"): outcomes[reason] for reason in _REJECTED},
         "expired": outcomes["expired"],
         "failed": outcomes["failed"],
+        "unservable": outcomes["unservable"],
+        "stranded": outcomes["stranded"],
         "queue_wait_s": _percentiles(stats.wait),
         "ttft_s": _percentiles(stats.ttft),
         "e2e_s": _percentiles(stats.e2e),
@@ -66,6 +74,7 @@ def run_summary(result: RunResult) -> dict[str, Any]:
         "policy": result.label,
         "gateway_policy": scenario.config.policy,
         "controller": scenario.controller,
+        "stopped": result.stopped,
         "classes": {stats.name: _class_summary(stats, span_s) for stats in recorder.classes},
         "overall": {
             "requests": result.num_requests,
@@ -109,7 +118,26 @@ def build_report(results: Sequence[RunResult], workload: dict[str, Any]) -> dict
         "config": Path(first.config.source).name,
         "slo_ttft_s": first.slos(),
         "runs": [run_summary(result) for result in results],
+        "warnings": warnings(results),
     }
+
+
+def warnings(results: Sequence[RunResult]) -> list[str]:
+    """What makes the comparison show less than it seems (module docstring)."""
+    out = []
+    first = results[0]
+    levels = first.scenario.config.levels
+    used = [stats.name for stats in first.recorder.classes if sum(stats.outcomes.values())]
+    if len(levels) > 1 and len(used) == 1:
+        out.append(
+            f"every request is at priority {used[0]}: priority and fifo schedule them alike, "
+            "so the comparison shows no difference between them; give the workload a mix, "
+            "e.g. --priority-mix high=0.2,medium=0.5,low=0.3 (or --priority-rules)"
+        )
+    for result in results:
+        if result.stopped:
+            out.append(f"{result.label}: requests never ran: {result.stopped}")
+    return out
 
 
 def dumps(report: dict[str, Any]) -> str:
@@ -241,6 +269,7 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             markdown_table(OVERALL_HEADER, overall_rows(report), 1),
             "",
+            *(line for text in report.get("warnings", ()) for line in (f"Warning: {text}", "")),
         ]
     )
 
@@ -261,4 +290,5 @@ def terminal(report: dict[str, Any]) -> str:
                 )
             )
         out.append("")
+    out += [f"warning: {text}" for text in report.get("warnings", ())]
     return "\n".join(out)

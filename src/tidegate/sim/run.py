@@ -14,6 +14,18 @@ service time -> completion: the slot is released and the gateway dispatches agai
 Determinism: everything runs on the kernel's clock, random draws come from seeded
 ``random.Random`` objects (in the workload), and events at equal times run in the order
 they were scheduled, so a scenario always gives the same result.
+
+Termination: the periodic events (samples, controller ticks) go on while arrivals, work in
+flight, replicas in transition, or queued requests that may still run are left. A queued
+request may still run unless (a) no pool the model can have replicas in serves its level
+and aging cannot bring it to one that does (``WaitQueue.unreachable_levels``); (b) the
+fleet is static, complete and idle, and no queued request will ever age into a level it
+serves (``WaitQueue.next_eligible_at`` is None): nothing will ever change; or (c) nothing
+was dispatched or left the queue for ``max_stall_s`` of virtual time with nothing in flight
+or starting (a guard for what (a) and (b) cannot foresee, e.g. an autoscaler that never
+starts the pool they need). Then the periodic events stop, timers already set (deadlines,
+aging) still run, and what is left in the queue ends as ``unservable`` (a) or ``stranded``
+(b, c), counted per class, with the reason in ``RunResult.stopped``.
 """
 
 from __future__ import annotations
@@ -24,12 +36,14 @@ from dataclasses import dataclass, field
 
 from tidegate.config import TidegateConfig
 from tidegate.core.request import Request
+from tidegate.core.routing import servable_levels
 from tidegate.sim.control import (
     CONTROLLERS,
     Controller,
     ControllerContext,
     FleetView,
     StartReplica,
+    StaticController,
 )
 from tidegate.sim.fleet import Fleet, Lifecycle
 from tidegate.sim.gateway import SimGateway, Ticket
@@ -43,6 +57,9 @@ from tidegate.worker.runtime import WorkerSettings
 
 DEFAULT_SLO_TTFT_S: Mapping[str, float] = {"high": 1.0, "medium": 5.0, "low": 30.0}
 FALLBACK_SLO_TTFT_S = 30.0
+# Virtual time without progress after which a run gives up on what is queued: a day of the
+# workload's time (divided by its speedup), longer than any cold start, aging or schedule gap.
+DEFAULT_MAX_STALL_S = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +77,7 @@ class Scenario:
     start_wall_s: float = 0.0  # wall-clock epoch seconds at virtual time 0 (for schedules)
     speedup: float = 1.0  # the workload's time compression: controllers compress with it
     keep_requests: bool = False
+    max_stall_s: float | None = None  # None: DEFAULT_MAX_STALL_S / speedup (module docstring)
 
     @property
     def name(self) -> str:
@@ -81,6 +99,7 @@ class RunResult:
     end_at: float  # when the last request reached its terminal state
     replica_seconds: float
     num_events: int
+    stopped: str | None = None  # why requests were left queued (module docstring); None: none
 
     @property
     def label(self) -> str:
@@ -144,6 +163,20 @@ class Simulation:
         self._num_requests = 0
         self._arrivals_done = False
         self._half_hop_s = scenario.network_s / 2
+        # Levels no pool this model can have replicas in takes, even aged (docstring: a).
+        self._pools_ever = {*spec.pools, *scenario.replicas}
+        served = {
+            level for name in self._pools_ever if name in pools for level in pools[name].priorities
+        }
+        self._never = frozenset(self.gateway.queue.unreachable_levels(served))
+        self._max_stall_s = (
+            scenario.max_stall_s
+            if scenario.max_stall_s is not None
+            else DEFAULT_MAX_STALL_S / scenario.speedup
+        )
+        self._progress: tuple[int, int] | None = None  # (dispatched, queued) when last seen
+        self._progress_at = 0.0
+        self._stopped: str | None = None
 
     def _make_worker(self, replica_id: str) -> Worker:
         service = self.scenario.service
@@ -179,6 +212,7 @@ class Simulation:
         self.kernel.at(0.0, self._sample)
         self.kernel.at(self.controller.interval_s, self._tick)
         self.kernel.run()
+        stopped = self._end_unserved()
         end_at = self.recorder.last_done_at if self._num_requests else 0.0
         return RunResult(
             self.scenario,
@@ -188,7 +222,33 @@ class Simulation:
             end_at,
             self.fleet.replica_seconds(end_at),
             self.kernel.num_events,
+            stopped,
         )
+
+    def _end_unserved(self) -> str | None:
+        """Count what is still queued once nothing is left to run; why, or None if nothing."""
+        tickets = self.gateway.tickets
+        if not tickets:
+            return None
+        now = self.kernel.time
+        never = self._never
+        counts = {"unservable": 0, "stranded": 0}
+        for ticket in tickets.values():
+            request = ticket.request
+            outcome = "unservable" if request.priority in never else "stranded"
+            counts[outcome] += 1
+            self.recorder.unserved(ticket.klass, outcome, request.id, now - request.arrival_at)
+        reasons = []
+        if counts["unservable"]:
+            levels = ", ".join(self.scenario.config.level_names[level] for level in sorted(never))
+            pools = ", ".join(sorted(self._pools_ever))
+            reasons.append(
+                f"{counts['unservable']} unservable: no pool of {pools} serves {levels} and "
+                "aging cannot bring them to a level one serves"
+            )
+        if counts["stranded"]:
+            reasons.append(f"{counts['stranded']} stranded: {self._stopped or 'nothing left'}")
+        return "; ".join(reasons)
 
     def _stream(self) -> Iterator[tuple[float, Arrival]]:
         for arrival in self.scenario.workload:
@@ -213,12 +273,46 @@ class Simulation:
         self.gateway.submit(Ticket(request, klass, prompt, output))
 
     def _active(self) -> bool:
-        return (
-            not self._arrivals_done
-            or len(self.gateway.queue) > 0
-            or self.fleet.in_flight > 0
-            or self.fleet.transitioning()
+        if not self._arrivals_done or self.fleet.in_flight > 0 or self.fleet.transitioning():
+            self._progress = None
+            return True
+        if self._stopped is not None:
+            return False  # given up once: the sample and tick chains stop alike
+        return self._may_still_run() and not self._stuck()
+
+    def _may_still_run(self) -> bool:
+        """Something is queued at a level some pool of the model could take (docstring: a)."""
+        never = self._never
+        return any(
+            depth for level, depth in enumerate(self.gateway.queue.depths()) if level not in never
         )
+
+    def _stuck(self) -> bool:
+        """Nothing will ever change (b), or nothing has for ``max_stall_s`` (c)."""
+        now = self.kernel.time
+        queue = self.gateway.queue
+        if isinstance(self.controller, StaticController) and not self.controller.decide(
+            self._view()
+        ):
+            # A complete, idle, static fleet: free slots are all it will ever have.
+            levels = servable_levels(self.fleet.views.values(), self.gateway.pools)
+            if queue.next_eligible_at(levels) is None:
+                self._stopped = (
+                    "the fleet is static and no queued request will ever age into a level "
+                    "its pools serve"
+                )
+                return True
+        progress = (self.gateway.num_dispatched, len(queue))
+        if progress != self._progress:
+            self._progress, self._progress_at = progress, now
+            return False
+        if now - self._progress_at >= self._max_stall_s:
+            self._stopped = (
+                f"nothing was dispatched for {now - self._progress_at:g} s of virtual time "
+                "with nothing in flight or starting"
+            )
+            return True
+        return False
 
     def _sample(self, _: object = None) -> None:
         self.recorder.sample(
@@ -241,15 +335,17 @@ class Simulation:
         if self._active():
             self.kernel.at(self.kernel.time + self.controller.interval_s, self._tick)
 
-    def _apply_decision(self) -> None:
-        view = FleetView(
+    def _view(self) -> FleetView:
+        return FleetView(
             self.kernel.time,
             len(self.gateway.queue),
             self.gateway.queue.depths(),
             self.fleet.in_flight,
             self.fleet.statuses(),
         )
-        for action in self.controller.decide(view):
+
+    def _apply_decision(self) -> None:
+        for action in self.controller.decide(self._view()):
             if isinstance(action, StartReplica):
                 self.fleet.add(action.pool)
             else:
