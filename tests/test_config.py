@@ -573,7 +573,8 @@ def test_check_config_reports_the_error(tmp_path: Path) -> None:
     assert (
         text
         == f"error: {path}: gateway.prot: unknown key 'prot'. Fix: did you mean 'port'? "
-        + ("gateway accepts: host, port, policy, shutdown_timeout_s, max_request_bytes")
+        + "gateway accepts: host, port, policy, shutdown_timeout_s, max_request_bytes, "
+        + "header_timeout_s, body_timeout_s"
     )
 
 

@@ -1,11 +1,15 @@
-"""HTTP plumbing shared by the worker and the gateway: bodies, errors, SSE, disconnects."""
+"""HTTP plumbing shared by the worker and the gateway: bodies, errors, SSE, disconnects.
+
+``BodyLimits`` reads a request's body before the app runs, within a size and a time limit:
+the app never waits on a slow client, and never holds more than ``max_bytes`` of one.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pydantic_core
@@ -13,8 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tidegate.errors import InvalidRequest, TidegateError
+from tidegate.errors import InvalidRequest, PromptTooLong, TidegateError
 
 log = logging.getLogger("tidegate")
 T = TypeVar("T")
@@ -72,6 +77,130 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, on_bad_parameter)
     app.add_exception_handler(ClientGone, on_client_gone)
     app.add_exception_handler(Exception, on_unexpected)
+
+
+REQUEST_TIMEOUT = 408
+
+
+class BodyLimits:
+    """ASGI middleware: a request's whole body, read within ``max_bytes`` and ``timeout_s``.
+
+    Refused by its ``Content-Length`` before a byte of the body is read (413, and no
+    ``100 Continue``); a chunked body is counted while read and cut at the limit (413); a
+    body not complete ``timeout_s`` after its headers gets 408. Each refusal closes the
+    connection (its framing is lost) and is reported to ``on_refused(scope, outcome)``:
+    ``invalid`` (too large, too slow, or a bad Content-Length) or ``cancelled`` (the client
+    went away mid-body). The app then reads the body from memory.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_bytes: int,
+        timeout_s: float,
+        on_refused: Callable[[Scope, str], None] | None = None,
+    ) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.on_refused = on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length is None and _header(scope, b"transfer-encoding") is None:
+            await self.app(scope, receive, send)  # no body (GET, HEAD)
+            return
+        if length is not None and not length.isdigit():
+            error: TidegateError = InvalidRequest(f"Content-Length {length!r} is not a number")
+            await self._refuse(scope, send, error, "invalid")
+            return
+        if length is not None and int(length) > self.max_bytes:
+            await self._refuse(scope, send, self._too_large(int(length)), "invalid")
+            return
+        body = await self._read(scope, receive, send)
+        if body is None:
+            return  # refused, or the client went away
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # what is left is the disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        self._report(scope, "cancelled")
+                        return None
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        await self._refuse(scope, send, self._too_large(size), "invalid")
+                        return None
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            error = InvalidRequest(
+                f"the request body was not complete {self.timeout_s:g}s after its headers "
+                f"({size} bytes received)",
+                code="request_timeout",
+            )
+            await self._refuse(scope, send, error, "invalid", REQUEST_TIMEOUT)
+            return None
+
+    def _too_large(self, size: int) -> TidegateError:
+        return PromptTooLong(
+            f"request body of {size} bytes or more is over the limit of {self.max_bytes}",
+            code="request_too_large",
+        )
+
+    async def _refuse(
+        self,
+        scope: Scope,
+        send: Send,
+        error: TidegateError,
+        outcome: str,
+        status: int | None = None,
+    ) -> None:
+        self._report(scope, outcome)
+        body = json.dumps(error.body()).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status or error.status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),  # the rest of the body is not read
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _report(self, scope: Scope, outcome: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(scope, outcome)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1")).strip()
+    return None
 
 
 async def json_body(request: Request) -> Any:

@@ -96,7 +96,7 @@ def worker(
 ) -> None:
     """Serve one replica of one model over the OpenAI HTTP API."""
     from tidegate.worker.runtime import WorkerSettings
-    from tidegate.worker.server import serve_worker
+    from tidegate.worker.server import CannotBind, serve_worker
 
     settings = WorkerSettings(
         model=model,
@@ -113,7 +113,12 @@ def worker(
         memory_fraction=memory_fraction,
         probe_max_ms=probe_max_ms,
     )
-    raise typer.Exit(serve_worker(settings, host, port, log_level))
+    try:
+        code = serve_worker(settings, host, port, log_level)
+    except CannotBind as exc:
+        typer.echo(f"error: {exc}. Fix: stop what uses it, or choose another --port", err=True)
+        raise typer.Exit(1) from None
+    raise typer.Exit(code)
 
 
 config_app = typer.Typer(help="Check and show configuration.", no_args_is_help=True)
@@ -153,6 +158,7 @@ def serve(
     from tidegate.config import load_config
     from tidegate.errors import ConfigError
     from tidegate.gateway.serve import serve_gateway
+    from tidegate.worker.server import CannotBind
 
     overrides = {
         k: v
@@ -164,7 +170,16 @@ def serve(
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    raise typer.Exit(serve_gateway(resolved, log_level))
+    try:
+        code = serve_gateway(resolved, log_level)
+    except CannotBind as exc:
+        where = f"gateway.port in {config}" if config is not None else "gateway.port in a config"
+        typer.echo(
+            f"error: {exc}. Fix: stop what uses it, or choose another port with --port or {where}",
+            err=True,
+        )
+        raise typer.Exit(1) from None
+    raise typer.Exit(code)
 
 
 @app.command()

@@ -22,6 +22,8 @@ def render_config(config: TidegateConfig) -> str:
             "policy": config.gateway.policy,
             "shutdown_timeout_s": config.gateway.shutdown_timeout_s,
             "max_request_bytes": config.gateway.max_request_bytes,
+            "header_timeout_s": config.gateway.header_timeout_s,
+            "body_timeout_s": config.gateway.body_timeout_s,
         },
         "priorities": {
             "levels": list(config.levels),

@@ -97,6 +97,8 @@ class _Resolver:
             policy=gateway_in.policy,
             shutdown_timeout_s=gateway_in.shutdown_timeout_s,
             max_request_bytes=gateway_in.max_request_bytes,
+            header_timeout_s=gateway_in.header_timeout_s,
+            body_timeout_s=gateway_in.body_timeout_s,
         )
         self.fifo = gateway.policy == "fifo"
         priorities = raw.priorities or _PrioritiesIn()

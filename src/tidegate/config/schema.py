@@ -28,6 +28,8 @@ class _GatewayIn(_Strict):
     policy: Literal["priority", "fifo"] = "priority"
     shutdown_timeout_s: NonNegativeFloat = 10.0
     max_request_bytes: PositiveInt = 4 * 1024 * 1024
+    header_timeout_s: PositiveFloat = 10.0
+    body_timeout_s: PositiveFloat = 30.0
 
 
 class _AgingIn(_Strict):

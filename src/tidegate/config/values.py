@@ -41,6 +41,8 @@ class GatewaySettings:
     policy: str = "priority"  # "priority" or "fifo"
     shutdown_timeout_s: float = 10.0
     max_request_bytes: int = 4 * 1024 * 1024
+    header_timeout_s: float = 10.0  # connection (or a request's first byte) to end of headers
+    body_timeout_s: float = 30.0  # end of headers to end of body
 
 
 @dataclass(frozen=True, slots=True)

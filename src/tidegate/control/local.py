@@ -176,6 +176,34 @@ def parent_death_signal() -> Callable[[], None] | None:
     return set_parent_death_signal
 
 
+def worker_preexec() -> Callable[[], None]:
+    """The ``preexec_fn`` of a worker: the parent-death signal, and no inherited descriptor.
+
+    Every descriptor above stdio is marked close-on-exec in the child, because the event
+    loop the gateway runs on (uvloop) ignores ``close_fds``: whatever a library left
+    inheritable (a listening socket, once) would otherwise live on in every worker.
+    """
+    death_signal = parent_death_signal()
+
+    def preexec() -> None:  # runs in the child, between fork and exec
+        if death_signal is not None:
+            death_signal()
+        _close_on_exec_above_stdio()
+
+    return preexec
+
+
+def _close_on_exec_above_stdio() -> None:
+    try:
+        fds: Iterable[int] = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: every descriptor the process may have
+        fds = range(3, min(os.sysconf("SC_OPEN_MAX"), 65536))
+    for fd in fds:
+        if fd > 2:
+            with contextlib.suppress(OSError):  # the listing's own, closed by now
+                os.set_inheritable(fd, False)
+
+
 # ----------------------------------------------------------------------------- processes
 @dataclass(eq=False)
 class _Slot:
@@ -535,7 +563,8 @@ class LocalWorkers:
                 stderr=stderr,
                 env=slot.env,
                 start_new_session=True,  # its own process group: stopped as a whole
-                preexec_fn=parent_death_signal(),
+                close_fds=True,  # honoured by asyncio's loop; uvloop's: see worker_preexec
+                preexec_fn=worker_preexec(),
             )
         finally:
             if stderr is not None:

@@ -176,9 +176,11 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
             continue
         except BaseException as exc:
             dispatcher.release(replica, completed=False)
-            call.outcome = (
-                "cancelled" if isinstance(exc, ClientGone | asyncio.CancelledError) else "failed"
-            )
+            if isinstance(exc, NotReady):  # shutdown's cut-off (Gateway.until_cut_off)
+                call.outcome = outcome_of(exc)
+            else:
+                cancelled = isinstance(exc, ClientGone | asyncio.CancelledError)
+                call.outcome = "cancelled" if cancelled else "failed"
             raise
         if _handed_back(forwarded):
             # A draining replica returned it unstarted: it goes back to the front of its
@@ -240,7 +242,8 @@ async def _send(
         on_first_byte=lambda at: observe(at - call.started),
     )
     try:
-        return await unless_disconnected(request, work)
+        async with gateway.until_cut_off():  # shutdown's deadline: 503 shutting_down
+            return await unless_disconnected(request, work)
     except ReplicaFailed as exc:
         raise ReplicaFailed(f"replica {replica.id}: {exc.message}") from exc
 
@@ -269,12 +272,22 @@ def _respond(
     async def passthrough() -> AsyncIterator[bytes]:
         outcome = "cancelled"  # unless the stream runs to its end
         try:
-            async for chunk in chunks:
+            while True:
+                # Shutdown's deadline ends the stream with an error event; the scope covers
+                # the read only, never the yield (it cancels the task that entered it).
+                async with gateway.until_cut_off():
+                    chunk = await anext(chunks, None)
+                if chunk is None:
+                    break
                 yield chunk
             outcome = "completed"
         except ReplicaFailed as exc:
             outcome = "failed"
             log.warning("%s: %s", call.rid, exc)
+            yield sse(exc.body())
+            yield SSE_DONE
+        except NotReady as exc:  # cut off by shutdown
+            outcome = outcome_of(exc)
             yield sse(exc.body())
             yield SSE_DONE
         finally:

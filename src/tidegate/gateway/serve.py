@@ -1,59 +1,88 @@
 """``tidegate serve``: the gateway, its dispatchers and the replicas it supervises.
 
-Shutdown (SIGTERM or SIGINT): stop admitting (new requests and /readyz get 503
-``shutting_down``), let queued and in-flight requests finish for up to
-``shutdown_timeout_s``, answer what is left with 503, then stop the workers. A second
-signal stops at once. Workers die with the gateway even if it is killed (see control.local).
+Shutdown (SIGTERM or SIGINT) has one deadline, ``shutdown_timeout_s`` after the signal:
+new requests and /readyz get 503 ``shutting_down`` at once; queued and in-flight requests
+may finish until the deadline; then every one left is answered 503 ``shutting_down`` (a
+stream: an error event, then ``[DONE]``) and counted once (outcome ``shutdown``). The
+server then closes its socket, gives those answers up to ``SHUTDOWN_FLUSH_S`` to leave,
+and stops the workers. A second signal moves the deadline to now; a third stops at once.
+Workers die with the gateway even if it is killed (see control.local).
+
+The HTTP server bounds what a client may send (worker.server: header and body timeouts,
+``max_request_bytes`` by Content-Length before the body is read).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import uvicorn
+from starlette.types import Scope
 
 from tidegate.config import TidegateConfig
 from tidegate.control.health import UpstreamHealth
 from tidegate.control.local import LocalWorkers
 from tidegate.gateway.app import Gateway, create_gateway_app
-from tidegate.worker.server import address_of, bind
+from tidegate.gateway.forward import TASK_OF_PATH
+from tidegate.worker.server import ReadLimits, address_of, bind, limited_app, server_config
 
 log = logging.getLogger("tidegate.gateway")
+# After the deadline, for the 503 answers to reach their clients; past it uvicorn cancels
+# what is left (a client that does not read). Whole seconds: uvicorn's setting is an int.
+SHUTDOWN_FLUSH_S = 2
 
 
 class _GracefulServer(uvicorn.Server):
-    """uvicorn, with the gateway's drain before the server closes."""
+    """uvicorn, with the gateway's shutdown: one deadline, then 503 for what is left."""
 
     def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
         super().__init__(config)
         self.gateway = gateway
-        self.draining: asyncio.Task[None] | None = None
+        self.signalled_at: float | None = None  # monotonic time of the first signal
+        self._draining: asyncio.Task[None] | None = None
+        self._hurry = asyncio.Event()  # a second signal: the deadline is now
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.draining is not None or self.gateway.config.gateway.shutdown_timeout_s <= 0:
-            super().handle_exit(sig, frame)  # second signal: stop now
+        if self._hurry.is_set():
+            super().handle_exit(sig, frame)  # a third signal: uvicorn's own, stop at once
             return
-        log.info(
-            "signal %s: draining for up to %.0fs",
-            signal.Signals(sig).name,
-            self.gateway.config.gateway.shutdown_timeout_s,
-        )
-        loop = asyncio.get_event_loop()
-        self.draining = loop.create_task(self._drain())
+        # A signal handler runs between two bytecodes of the loop's thread: act from the loop.
+        asyncio.get_event_loop().call_soon_threadsafe(self._on_signal, signal.Signals(sig))
 
-    async def _drain(self) -> None:
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self._draining is None:
+            self.signalled_at = time.monotonic()
+            grace_s = self.gateway.config.gateway.shutdown_timeout_s
+            log.info("%s: admission closed; work in progress has %gs to finish", sig.name, grace_s)
+            self._draining = asyncio.create_task(self._drain(grace_s), name="shutdown")
+        else:
+            log.warning("%s again: answering what is left with 503 now", sig.name)
+            self._hurry.set()
+
+    async def _drain(self, grace_s: float) -> None:
         gateway = self.gateway
         gateway.close_admission("the gateway is shutting down")
-        await gateway.wait_idle(gateway.config.gateway.shutdown_timeout_s)
-        left = gateway.fail_queued()
-        if left:
-            log.warning("shutdown: answered %d queued requests with 503", left)
+        idle = asyncio.create_task(gateway.wait_idle(grace_s), name="shutdown-idle")
+        hurry = asyncio.create_task(self._hurry.wait(), name="shutdown-hurry")
+        await asyncio.wait({idle, hurry}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (idle, hurry):
+            task.cancel()
+        await asyncio.gather(idle, hurry, return_exceptions=True)
+        queued, in_flight = gateway.cut_off()
+        if queued or in_flight:
+            log.warning(
+                "shutdown deadline: %d queued and %d in-flight requests answered 503 shutting_down",
+                queued,
+                in_flight,
+            )
         self.should_exit = True
 
 
@@ -87,6 +116,10 @@ def build_gateway(config: TidegateConfig, log_dir: str | None = None) -> tuple[G
 
 
 def serve_gateway(config: TidegateConfig, log_level: str = "info") -> int:
+    """Serve until a signal (see the module's docstring). Raises CannotBind at once when
+    the address is taken: nothing has started yet."""
+    settings = config.gateway
+    sock = bind(settings.host, settings.port)
     logging.basicConfig(
         level=log_level.upper(),
         stream=sys.stderr,
@@ -97,22 +130,60 @@ def serve_gateway(config: TidegateConfig, log_level: str = "info") -> int:
     for note in config.notes:
         log.warning("config: %s", note)
     gateway, _ = build_gateway(config)
-    app = create_gateway_app(gateway)
-    settings = config.gateway
-    uv_config = uvicorn.Config(
+    limits = ReadLimits(
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        max_request_bytes=settings.max_request_bytes,
+    )
+    app = limited_app(create_gateway_app(gateway), limits, _counter_of_refusals(gateway))
+    uv_config = server_config(
         app,
+        limits,
+        log_level,
         host=settings.host,
         port=settings.port,
-        log_level=log_level,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 1,
+        timeout_graceful_shutdown=SHUTDOWN_FLUSH_S,
     )
     server = _GracefulServer(uv_config, gateway)
-    sock = bind(settings.host, settings.port)
+    # The start-up heap (modules, config, app: some 80k objects) is never garbage, so the
+    # collector need not scan it again: shorter full collections while serving, and a
+    # shorter interpreter exit (its collections took seconds on a loaded machine).
+    gc.collect()
+    gc.freeze()
     # The first line of output is the address (port 0 picks a free one): tests read it.
     print(address_of(sock), flush=True)
-    started = time.monotonic()
     server.run(sockets=[sock])
-    log.info("gateway stopped after %.0fs", time.monotonic() - started)
+    if server.signalled_at is not None:
+        cut = _count_of(gateway, "shutdown")
+        log.log(
+            logging.WARNING if cut else logging.INFO,
+            "gateway stopped %.1fs after the signal (shutdown_timeout_s %g); "
+            'tidegate_requests_total{outcome="shutdown"} %d',
+            time.monotonic() - server.signalled_at,
+            settings.shutdown_timeout_s,
+            cut,
+        )
     return 0
+
+
+def _counter_of_refusals(gateway: Gateway) -> Callable[[Scope, str], None]:
+    """Counts a request the HTTP server refused before the gateway saw it (too large,
+    too slow, gone): model and priority are unknown then."""
+
+    def count(scope: Scope, outcome: str) -> None:
+        if scope.get("path") in TASK_OF_PATH:
+            gateway.metrics.requests.labels("-", "none", outcome).inc()
+
+    return count
+
+
+def _count_of(gateway: Gateway, outcome: str) -> int:
+    """The sum of tidegate_requests_total over every label with this outcome."""
+    return int(
+        sum(
+            sample.value
+            for metric in gateway.metrics.requests.collect()
+            for sample in metric.samples
+            if sample.name.endswith("_total") and sample.labels.get("outcome") == outcome
+        )
+    )

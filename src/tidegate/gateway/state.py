@@ -2,6 +2,11 @@
 
 The dispatchers own the queues (one task each); this object starts and stops them with the
 orchestrators, and offers the waits that shutdown and scale-in need (idle, a replica idle).
+
+Shutdown's cut-off: ``close_admission()`` refuses new work, ``cut_off()`` ends what is left.
+Each await on a replica's answer runs inside ``until_cut_off()``, an ``asyncio.Timeout``
+with no deadline until ``cut_off()`` sets it to now: queued requests then fail with 503
+``shutting_down`` at once, and every in-flight one raises the same error where it waits.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 import aiohttp
@@ -40,6 +46,8 @@ class Gateway:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _release_waiters: set[asyncio.Event] = field(default_factory=set)
+    _cut_off_at: float | None = None  # loop time of shutdown's cut-off; None: not yet
+    _cut_scopes: set[asyncio.Timeout] = field(default_factory=set)  # in-flight awaits
 
     def __post_init__(self) -> None:
         pools = self.config.pool_specs()
@@ -133,8 +141,30 @@ class Gateway:
             dispatcher.closed = reason
 
     def fail_queued(self) -> int:
-        error = NotReady("the gateway is shutting down", code="shutting_down")
-        return sum(d.fail_all(error) for d in self.dispatchers.values())
+        return sum(d.fail_all(_shutting_down()) for d in self.dispatchers.values())
+
+    def until_cut_off(self) -> _UntilCutOff:
+        """``async with gateway.until_cut_off():`` around one await on a replica's answer.
+
+        Raises NotReady ``shutting_down`` from it once ``cut_off()`` is called (at once when
+        it already was). Wrap a single await, never a ``yield``: the timeout cancels the
+        task that entered it.
+        """
+        return _UntilCutOff(self)
+
+    def cut_off(self) -> tuple[int, int]:
+        """Shutdown's deadline: answer what is queued and what is in flight with 503 now.
+
+        Returns (queued, in flight) as found; each counts its own outcome as it ends.
+        """
+        now = asyncio.get_running_loop().time()
+        self._cut_off_at = now
+        in_flight = 0
+        for scope in self._cut_scopes:
+            if not scope.expired():
+                scope.reschedule(now)
+                in_flight += 1
+        return self.fail_queued(), in_flight
 
     def ready_models(self) -> list[str]:
         """Models that take requests: a replica is ready, or one cold-starts on demand."""
@@ -143,3 +173,33 @@ class Gateway:
             for m, rs in self.replicas.items()
             if any(r.ready for r in rs) or self.dispatchers[m].on_demand is not None
         ]
+
+
+def _shutting_down() -> NotReady:
+    return NotReady("the gateway is shutting down", code="shutting_down")
+
+
+class _UntilCutOff:
+    """One await bounded by shutdown's cut-off (see ``Gateway.until_cut_off``)."""
+
+    __slots__ = ("_gateway", "_timeout")
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gateway = gateway
+        self._timeout = asyncio.timeout_at(gateway._cut_off_at)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+        self._gateway._cut_scopes.add(self._timeout)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._gateway._cut_scopes.discard(self._timeout)
+        try:
+            await self._timeout.__aexit__(exc_type, exc, tb)
+        except TimeoutError:
+            raise _shutting_down() from None

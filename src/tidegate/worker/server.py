@@ -1,28 +1,170 @@
-"""Run one worker process: bind, print the address, serve until told to stop."""
+"""Run one worker process: bind, print the address, serve until told to stop.
+
+Also the HTTP server both the worker and the gateway run: uvicorn with read limits it lacks
+on its own. A client gets ``header_timeout_s`` from its connection (or its next request's
+first byte) to the end of its headers, then ``body_timeout_s`` for the body, which is
+refused by its ``Content-Length`` before it is read when over ``max_request_bytes``
+(asgi.BodyLimits). The listening socket is never inherited by a child process.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import socket
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import uvicorn
+from starlette.types import ASGIApp, Scope
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from tidegate.asgi import BodyLimits
+from tidegate.errors import InvalidRequest
 from tidegate.worker.app import create_app
 from tidegate.worker.runtime import WorkerSettings
 
 log = logging.getLogger("tidegate.worker")
 
 
+@dataclass(frozen=True, slots=True)
+class ReadLimits:
+    """How long and how much a client may send before it is cut off."""
+
+    header_timeout_s: float  # connection (or a request's first byte) to the end of headers
+    body_timeout_s: float  # end of headers to the end of the body
+    max_request_bytes: int  # larger bodies get 413, by Content-Length before reading
+
+
+# The worker's own: its clients are the gateway and the profiler, on loopback. The body
+# limit is well above the gateway's default (4 MiB) so that a gateway's limit decides.
+WORKER_READ_LIMITS = ReadLimits(
+    header_timeout_s=10.0, body_timeout_s=30.0, max_request_bytes=64 * 1024 * 1024
+)
+
+
+class CannotBind(OSError):
+    """The address is taken, or not this host's: one line for the user, not a traceback."""
+
+    def __init__(self, host: str, port: int, exc: OSError) -> None:
+        super().__init__(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}")
+        self.host = host
+        self.port = port
+
+
 def bind(host: str, port: int) -> socket.socket:
-    """A listening socket; port 0 lets the OS pick a free one."""
+    """A listening socket; port 0 lets the OS pick a free one. Raises CannotBind.
+
+    Not inheritable (Python's default, kept): a child process that held it would keep the
+    port bound, and accepting connections nobody answers, for as long as it lives.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise CannotBind(host, port, exc) from exc
     return sock
+
+
+class _HeaderTimeoutProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, with a deadline on each request's headers.
+
+    Armed when the connection is made and when a request's first byte arrives (an idle
+    keep-alive connection is uvicorn's ``timeout_keep_alive``); disarmed when the headers
+    are complete. When it fires, the client gets 408 (unless a response is under way on
+    this connection) and the connection is closed.
+    """
+
+    header_timeout_s: ClassVar[float] = WORKER_READ_LIMITS.header_timeout_s
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_header_timer()  # no-op while armed: a byte does not buy more time
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_timer()
+        super().on_headers_complete()
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_complete:
+            error = InvalidRequest(
+                f"the request headers were not complete within {self.header_timeout_s:g}s",
+                code="request_timeout",
+            )
+            body = json.dumps(error.body()).encode()
+            self.transport.write(
+                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+            )
+        self.transport.close()
+
+
+def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (``Config(http=...)``) with this header deadline."""
+    return type(
+        "HeaderTimeoutProtocol",
+        (_HeaderTimeoutProtocol,),
+        {"header_timeout_s": header_timeout_s},
+    )
+
+
+def limited_app(
+    app: ASGIApp,
+    limits: ReadLimits,
+    on_refused: Callable[[Scope, str], None] | None = None,
+) -> ASGIApp:
+    """``app`` behind the body limits (asgi.BodyLimits)."""
+    return BodyLimits(
+        app,
+        max_bytes=limits.max_request_bytes,
+        timeout_s=limits.body_timeout_s,
+        on_refused=on_refused,
+    )
+
+
+def server_config(
+    app: ASGIApp, limits: ReadLimits, log_level: str, **options: Any
+) -> uvicorn.Config:
+    """uvicorn's config for ``app`` (already behind ``limited_app``) with the header limit."""
+    return uvicorn.Config(
+        app,
+        http=header_timeout_protocol(limits.header_timeout_s),
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        **options,
+    )
 
 
 def address_of(sock: socket.socket) -> str:
@@ -31,7 +173,10 @@ def address_of(sock: socket.socket) -> str:
 
 
 def serve_worker(settings: WorkerSettings, host: str, port: int, log_level: str = "info") -> int:
-    """Serve until SIGINT/SIGTERM; exit status 1 when the engine failed to load or warm up."""
+    """Serve until SIGINT/SIGTERM; exit status 1 when the engine failed to load or warm up.
+
+    Raises CannotBind when the address is taken: nothing has started yet.
+    """
     logging.basicConfig(
         level=log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -49,10 +194,8 @@ def serve_worker(settings: WorkerSettings, host: str, port: int, log_level: str 
         if server is not None:
             server.should_exit = True
 
-    app = create_app(settings, on_fatal=on_fatal)
-    config = uvicorn.Config(
-        app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=10
-    )
+    app = limited_app(create_app(settings, on_fatal=on_fatal), WORKER_READ_LIMITS)
+    config = server_config(app, WORKER_READ_LIMITS, log_level, timeout_graceful_shutdown=10)
     server = uvicorn.Server(config)
     server.run(sockets=[sock])
     return 1 if failed else 0

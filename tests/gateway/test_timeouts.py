@@ -1,0 +1,173 @@
+"""Slow and oversized clients of ``tidegate serve``: cut off in time, refused before reading.
+
+Raw sockets against a real gateway on port 0, with short read limits in its config.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.gateway.harness import flat_profile
+from tests.procs import DEADLINE_S, TIDEGATE, Proc, child_env, gateway_process
+
+HEADER_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 1.0
+MAX_REQUEST_BYTES = 65536
+# A loaded machine answers late, never early: the bound below is the limit plus this.
+LATE_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    folder = tmp_path_factory.mktemp("timeouts")
+    config = {
+        "gateway": {
+            "header_timeout_s": HEADER_TIMEOUT_S,
+            "body_timeout_s": BODY_TIMEOUT_S,
+            "max_request_bytes": MAX_REQUEST_BYTES,
+        },
+        "models": [
+            {
+                "name": "sim",
+                "task": "embeddings",
+                "engine": "simulated",
+                "profile": str(flat_profile(folder / "sim.json", 5.0)),
+                "replicas": 1,
+            }
+        ],
+    }
+    path = folder / "tidegate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with gateway_process("--config", str(path)) as proc:
+        yield proc
+
+
+def _connect(proc: Proc) -> socket.socket:
+    host, port = proc.url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=DEADLINE_S)
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (bounded by the socket's
+    timeout: a server that never closes fails the test)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def _error_of(response: bytes) -> tuple[int, dict[str, object]]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body)["error"]
+
+
+def _headers(content_length: int | None = None, chunked: bool = False) -> bytes:
+    lines = [b"POST /v1/embeddings HTTP/1.1", b"Host: gateway", b"Content-Type: application/json"]
+    if content_length is not None:
+        lines.append(b"Content-Length: %d" % content_length)
+    if chunked:
+        lines.append(b"Transfer-Encoding: chunked")
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def test_slowloris_headers_are_cut_off_at_the_header_timeout(gateway: Proc) -> None:
+    with _connect(gateway) as sock:
+        started = time.monotonic()
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: gateway\r\n")
+        sock.sendall(b"X-Slow: a")  # headers never end: one more byte buys no time
+        response = _read_until_closed(sock)
+        took_s = time.monotonic() - started
+    assert HEADER_TIMEOUT_S - 0.1 <= took_s < HEADER_TIMEOUT_S + LATE_S, took_s
+    status, error = _error_of(response)
+    assert status == 408
+    assert error["code"] == "request_timeout"
+
+
+def test_a_connection_that_sends_nothing_is_closed_at_the_header_timeout(gateway: Proc) -> None:
+    with _connect(gateway) as sock:
+        started = time.monotonic()
+        _read_until_closed(sock)
+        took_s = time.monotonic() - started
+    assert HEADER_TIMEOUT_S - 0.1 <= took_s < HEADER_TIMEOUT_S + LATE_S, took_s
+
+
+def test_a_body_shorter_than_its_content_length_is_cut_off_at_the_body_timeout(
+    gateway: Proc,
+) -> None:
+    with _connect(gateway) as sock:
+        sock.sendall(_headers(content_length=1000))
+        started = time.monotonic()
+        sock.sendall(b'{"model": "sim", ')  # and nothing more
+        response = _read_until_closed(sock)
+        took_s = time.monotonic() - started
+    assert BODY_TIMEOUT_S - 0.1 <= took_s < BODY_TIMEOUT_S + LATE_S, took_s
+    status, error = _error_of(response)
+    assert status == 408
+    assert error["code"] == "request_timeout"
+    assert error["type"] == "invalid_request_error"
+
+
+def test_a_50_mb_content_length_is_refused_before_the_body_is_sent(gateway: Proc) -> None:
+    with _connect(gateway) as sock:
+        sock.sendall(_headers(content_length=50 * 1024 * 1024))  # headers only
+        response = _read_until_closed(sock)
+    status, error = _error_of(response)
+    assert status == 413
+    assert error["code"] == "request_too_large"
+    assert str(MAX_REQUEST_BYTES) in str(error["message"])
+
+
+def test_a_chunked_body_is_cut_at_the_limit_while_it_is_read(gateway: Proc) -> None:
+    chunk = b"x" * 16384
+    with _connect(gateway) as sock:
+        sock.sendall(_headers(chunked=True))
+        for _ in range(MAX_REQUEST_BYTES // len(chunk) + 1):  # over the limit, never ended
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        response = _read_until_closed(sock)
+    status, error = _error_of(response)
+    assert status == 413
+    assert error["code"] == "request_too_large"
+
+
+def test_refusals_are_counted_and_the_gateway_keeps_serving(gateway: Proc) -> None:
+    with _connect(gateway) as sock:
+        sock.sendall(_headers(content_length=MAX_REQUEST_BYTES + 1))
+        assert _error_of(_read_until_closed(sock))[0] == 413
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=DEADLINE_S).text
+    assert 'tidegate_requests_total{model="-",outcome="invalid",priority="none"}' in metrics
+    ok = httpx.post(
+        f"{gateway.url}/v1/embeddings",
+        json={"model": "sim", "input": "still here"},
+        timeout=DEADLINE_S,
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_busy_port_is_one_line_with_the_fix(gateway: Proc, tmp_path: Path) -> None:
+    port = gateway.url.rsplit(":", 1)[1]
+    config = tmp_path / "busy.yaml"
+    config.write_text(yaml.safe_dump({"gateway": {"port": int(port)}}))
+    done = subprocess.run(
+        [TIDEGATE, "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=DEADLINE_S,
+    )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"127.0.0.1:{port}" in lines[0]
+    assert "--port" in lines[0]
+    assert f"gateway.port in {config}" in lines[0]
