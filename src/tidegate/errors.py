@@ -5,8 +5,9 @@
     TidegateError                      500 internal_error
     ├── InvalidRequest                 400 invalid_request_error
     │   └── PromptTooLong              413 invalid_request_error / context_length_exceeded
-    ├── Unauthorized                   401 authentication_error
-    ├── PriorityForbidden              403 permission_error
+    ├── Unauthorized                   401 authentication_error (+ WWW-Authenticate)
+    ├── Forbidden                      403 permission_error (a key without the admin role)
+    │   └── PriorityForbidden          403 permission_error / priority_above_cap
     ├── ModelNotFound                  404 invalid_request_error / model_not_found
     ├── Overloaded                     429 rate_limit_error (+ Retry-After)
     ├── ReplicaFailed                  502 upstream_error
@@ -75,10 +76,18 @@ class Unauthorized(TidegateError):
     error_type = "authentication_error"
     default_code = "invalid_api_key"
 
+    def headers(self) -> dict[str, str]:
+        # RFC 9110: a 401 says how to authenticate (RFC 6750: a Bearer token).
+        return {**super().headers(), "WWW-Authenticate": 'Bearer realm="tidegate"'}
 
-class PriorityForbidden(TidegateError):
+
+class Forbidden(TidegateError):
     status = 403
     error_type = "permission_error"
+    default_code = "admin_required"
+
+
+class PriorityForbidden(Forbidden):
     default_code = "priority_above_cap"
 
 

@@ -130,6 +130,19 @@ class GatewayMetrics(_RequestMetrics):
             ["model"],
             registry=r,
         )
+        self.ejections = Counter(
+            "tidegate_replica_ejections_total",
+            "Replicas taken out of routing for a while after consecutive failed answers "
+            "(outlier detection).",
+            ["model", "replica"],
+            registry=r,
+        )
+        self.ejected = Gauge(
+            "tidegate_replica_ejected",
+            "1 while a replica is ejected from routing by outlier detection.",
+            ["model", "replica"],
+            registry=r,
+        )
         self.queue_depth_per_replica = Gauge(
             "inference_queue_depth",
             "Demand per ready replica: (queued + in-flight) / ready "

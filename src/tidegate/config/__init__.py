@@ -23,6 +23,7 @@ from tidegate.config.values import (
     PoolConfig,
     QueueSpec,
     TidegateConfig,
+    UpstreamKey,
 )
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "PoolConfig",
     "QueueSpec",
     "TidegateConfig",
+    "UpstreamKey",
     "check_config",
     "load_config",
     "parse_config",

@@ -24,6 +24,8 @@ def render_config(config: TidegateConfig) -> str:
             "max_request_bytes": config.gateway.max_request_bytes,
             "header_timeout_s": config.gateway.header_timeout_s,
             "body_timeout_s": config.gateway.body_timeout_s,
+            "metrics_auth": config.gateway.metrics_auth,
+            "outlier_detection": _render_outliers(config),
         },
         "priorities": {
             "levels": list(config.levels),
@@ -53,6 +55,7 @@ def render_config(config: TidegateConfig) -> str:
                 "sha256": key.sha256,
                 "default_priority": key.default_priority,
                 "max_priority": key.max_priority,
+                "role": key.role,
             }
             for key in config.keys
         ],
@@ -89,7 +92,7 @@ def _render_model(model: ModelSpec) -> dict[str, Any]:
     if model.local:
         out["replicas"] = dict(model.replicas)
     else:
-        out["upstreams"] = list(model.upstreams)
+        out["upstreams"] = _render_upstreams(model)
     out["pools"] = list(model.pools)
     out["slots"] = model.slots
     out["batching"] = {
@@ -111,4 +114,23 @@ def _render_model(model: ModelSpec) -> dict[str, Any]:
     out["autoscaling"] = (
         None if model.autoscaling is None else render_autoscaling(model.autoscaling)
     )
+    return out
+
+
+def _render_outliers(config: TidegateConfig) -> dict[str, Any]:
+    outliers = config.gateway.outlier_detection
+    return {
+        "consecutive_failures": outliers.consecutive_failures,
+        "base_ejection_s": outliers.base_ejection_s,
+        "max_ejection_s": outliers.max_ejection_s,
+        "max_ejection_percent": outliers.max_ejection_percent,
+    }
+
+
+def _render_upstreams(model: ModelSpec) -> list[Any]:
+    """URLs; an upstream with a key names its variable, never the key."""
+    out: list[Any] = []
+    for index, url in enumerate(model.upstreams):
+        key = model.upstream_key(index)
+        out.append(url if key is None else {"url": url, "api_key_env": key.env})
     return out

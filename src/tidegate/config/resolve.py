@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NoReturn
@@ -16,6 +18,7 @@ from tidegate.config.schema import (
     _GatewayIn,
     _KeyIn,
     _ModelIn,
+    _OutlierIn,
     _PoolIn,
     _PrioritiesIn,
     _QueueIn,
@@ -35,13 +38,18 @@ from tidegate.config.values import (
     PoolConfig,
     QueueSpec,
     TidegateConfig,
+    UpstreamKey,
 )
+from tidegate.core.outliers import OutlierConfig
 from tidegate.core.placement import Device
 from tidegate.core.queue import AgingConfig
 from tidegate.engines.registry import KNOWN_MODELS
 from tidegate.errors import ConfigError
 
 # ----------------------------------------------------------------------------- cross-field
+
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_UPSTREAM_FIELDS = ("url", "api_key_env")
 
 
 def _url_root(url: str) -> str | None:
@@ -99,6 +107,8 @@ class _Resolver:
             max_request_bytes=gateway_in.max_request_bytes,
             header_timeout_s=gateway_in.header_timeout_s,
             body_timeout_s=gateway_in.body_timeout_s,
+            metrics_auth=gateway_in.metrics_auth,
+            outlier_detection=self._outliers(gateway_in.outlier_detection),
         )
         self.fifo = gateway.policy == "fifo"
         priorities = raw.priorities or _PrioritiesIn()
@@ -114,6 +124,7 @@ class _Resolver:
         pools, self.inventory = self.control.devices(pools)
         models = self._models(raw.models, pools)
         keys = self._keys(raw.keys or [], default)
+        self._access(gateway, keys)
         self._gateway_notes(gateway, keys, models)
         return TidegateConfig(
             source=self.source,
@@ -247,8 +258,9 @@ class _Resolver:
                 f"remove task (or set it to {known.task}), or give model_path for another model",
             )
         model_pools = self._model_pools(m, key, pools)
+        upstream_keys: tuple[UpstreamKey | None, ...] = ()
         if m.engine == "openai":
-            upstreams = self._upstreams(m, key)
+            upstreams, upstream_keys = self._upstreams(m, key)
             replicas: dict[str, int] = {}
         else:
             if m.upstreams:
@@ -291,6 +303,7 @@ class _Resolver:
             drain_timeout_s=control.drain_timeout_s,
             autoscaling=control.autoscaling,
             probe_max_ms=m.probe_max_ms,
+            upstream_keys=upstream_keys if any(upstream_keys) else (),
         )
 
     def _engine_fields(self, m: _ModelIn, key: str, built_in: bool) -> None:
@@ -357,7 +370,9 @@ class _Resolver:
             replicas[pool] = count
         return replicas
 
-    def _upstreams(self, m: _ModelIn, key: str) -> tuple[str, ...]:
+    def _upstreams(
+        self, m: _ModelIn, key: str
+    ) -> tuple[tuple[str, ...], tuple[UpstreamKey | None, ...]]:
         if not m.upstreams:
             self.fail(
                 f"{key}.upstreams",
@@ -375,11 +390,13 @@ class _Resolver:
                 "remove replicas (or set it to 0)",
             )
         roots: list[str] = []
-        for index, url in enumerate(m.upstreams):
+        keys: list[UpstreamKey | None] = []
+        for index, entry in enumerate(m.upstreams):
+            url, api_key = self._upstream_entry(entry, f"{key}.upstreams[{index}]")
             root = _url_root(url)
             if root is None:
                 self.fail(
-                    f"{key}.upstreams[{index}]",
+                    f"{key}.upstreams[{index}]" + ("" if isinstance(entry, str) else ".url"),
                     f"{url!r} is not an http(s) URL with a host",
                     "write it like http://127.0.0.1:8001/v1 (no query, fragment or credentials)",
                 )
@@ -390,7 +407,58 @@ class _Resolver:
                     "list each server once",
                 )
             roots.append(root)
-        return tuple(roots)
+            keys.append(api_key)
+        return tuple(roots), tuple(keys)
+
+    def _upstream_entry(self, entry: Any, key: str) -> tuple[str, UpstreamKey | None]:
+        """A URL, or ``{url, api_key_env}``: the URL and the key read from the environment."""
+        if isinstance(entry, str):
+            return entry, None
+        if not isinstance(entry, dict):
+            self.fail(
+                key,
+                f"expected a URL or a mapping, got {_describe(entry)}",
+                "write the URL (http://127.0.0.1:8001/v1), or {url: ..., api_key_env: NAME} "
+                "for a server started with --api-key",
+            )
+        for name in entry:
+            if name not in _UPSTREAM_FIELDS:
+                self.fail(
+                    _sub(key, str(name)),
+                    f"unknown key {name!r}",
+                    f"{suggest(str(name), _UPSTREAM_FIELDS) or 'remove it; '}"
+                    f"an upstream accepts: {', '.join(_UPSTREAM_FIELDS)}",
+                )
+        url = entry.get("url")
+        if not isinstance(url, str):
+            missing = url is None
+            self.fail(
+                f"{key}.url",
+                "required key 'url' is missing"
+                if missing
+                else f"expected a URL, not {_describe(url)}",
+                "add 'url: http://127.0.0.1:8001/v1'",
+            )
+        env = entry.get("api_key_env")
+        if env is None:
+            return url, None
+        env_key = f"{key}.api_key_env"
+        if not isinstance(env, str) or not _ENV_NAME_RE.match(env):
+            self.fail(
+                env_key,
+                f"{_describe(env)} is not the name of an environment variable",
+                "give the variable's name (e.g. VLLM_API_KEY), not the key: the key itself "
+                "never goes in the file",
+            )
+        value = os.environ.get(env, "")
+        if not value.strip():
+            self.fail(
+                env_key,
+                f"environment variable {env} is {'empty' if env in os.environ else 'not set'}",
+                f"export {env}=<the key the server was started with (--api-key)> before "
+                "starting tidegate, or remove api_key_env if the server needs no key",
+            )
+        return url, UpstreamKey(env, value.strip())
 
     def _queue(self, q: _QueueIn, key: str) -> QueueSpec:
         for index_key, mapping in (
@@ -489,9 +557,50 @@ class _Resolver:
                     max_priority=max_priority,
                     default_level=0 if self.fifo else self.levels.index(key_default),
                     max_level=0 if self.fifo else cap,
+                    role=key_in.role,
                 )
             )
         return tuple(keys)
+
+    # ---------------------------------------------------------------- access
+    def _outliers(self, raw: _OutlierIn | None) -> OutlierConfig:
+        raw = raw or _OutlierIn()
+        if raw.max_ejection_s < raw.base_ejection_s:
+            self.fail(
+                "gateway.outlier_detection.max_ejection_s",
+                f"max_ejection_s {raw.max_ejection_s:g} is shorter than base_ejection_s "
+                f"{raw.base_ejection_s:g}",
+                f"raise max_ejection_s to {raw.base_ejection_s:g} or more (it caps "
+                "base_ejection_s x the times ejected), or lower base_ejection_s",
+            )
+        return OutlierConfig(
+            consecutive_failures=raw.consecutive_failures,
+            base_ejection_s=raw.base_ejection_s,
+            max_ejection_s=raw.max_ejection_s,
+            max_ejection_percent=raw.max_ejection_percent,
+        )
+
+    def _access(self, gateway: GatewaySettings, keys: tuple[KeySpec, ...]) -> None:
+        """metrics_auth needs keys (and an admin key for ``admin``); say when none is admin."""
+        mode = gateway.metrics_auth
+        admins = [key for key in keys if key.admin]
+        if mode != "open" and not keys:
+            self.fail(
+                "gateway.metrics_auth",
+                f"metrics_auth {mode} needs keys, and none is configured (an open service)",
+                "add keys (see docs/config.md#keys), or set metrics_auth: open",
+            )
+        if mode == "admin" and not admins:
+            self.fail(
+                "gateway.metrics_auth",
+                "metrics_auth admin, but no key has role admin: nobody could read /metrics",
+                "give a key 'role: admin', or set metrics_auth: key",
+            )
+        if keys and not admins:
+            self.notes.append(
+                "no key has role admin: /admin/* (replicas, autoscaler, defrag) answers 403 "
+                "to every key"
+            )
 
     def _gateway_notes(
         self, gateway: GatewaySettings, keys: tuple[KeySpec, ...], models: dict[str, ModelSpec]

@@ -22,6 +22,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class _OutlierIn(_Strict):
+    """Passive failure detection of replicas (core.outliers)."""
+
+    consecutive_failures: PositiveInt = 5
+    base_ejection_s: PositiveFloat = 30.0
+    max_ejection_s: PositiveFloat = 300.0
+    max_ejection_percent: Annotated[float, Field(ge=0, le=100)] = 50.0
+
+
 class _GatewayIn(_Strict):
     host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
@@ -30,6 +39,8 @@ class _GatewayIn(_Strict):
     max_request_bytes: PositiveInt = 4 * 1024 * 1024
     header_timeout_s: PositiveFloat = 10.0
     body_timeout_s: PositiveFloat = 30.0
+    metrics_auth: Literal["open", "key", "admin"] = "open"
+    outlier_detection: _OutlierIn | None = None
 
 
 class _AgingIn(_Strict):
@@ -144,7 +155,8 @@ class _ModelIn(_Strict):
     profile: str | None = None
     replicas: Any = None  # a count or {pool: count}: checked by _Resolver for a clear message
     pools: Annotated[list[str], Field(min_length=1)] | None = None
-    upstreams: list[str] = Field(default_factory=list)
+    # URLs, or {url, api_key_env} mappings: checked by _Resolver for a clear message
+    upstreams: list[Any] = Field(default_factory=list)
     slots: PositiveInt | None = None
     batching: _BatchingIn | None = None
     queue: _QueueIn | None = None
@@ -160,6 +172,7 @@ class _KeyIn(_Strict):
     sha256: str
     default_priority: str | None = None
     max_priority: str | None = None
+    role: Literal["admin", "user"] = "user"
 
 
 class _ConfigIn(_Strict):

@@ -7,12 +7,13 @@ import hashlib
 import hmac
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from tidegate.core.autoscale import AutoscaleConfig
 from tidegate.core.batching import BatchConfig
+from tidegate.core.outliers import OutlierConfig
 from tidegate.core.placement import Device
 from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
 from tidegate.core.routing import PoolSpec
@@ -43,6 +44,9 @@ class GatewaySettings:
     max_request_bytes: int = 4 * 1024 * 1024
     header_timeout_s: float = 10.0  # connection (or a request's first byte) to end of headers
     body_timeout_s: float = 30.0  # end of headers to end of body
+    metrics_auth: str = "open"  # who may read /metrics: "open", "key" (any key) or "admin"
+    # passive ejection of replicas that keep failing (core.outliers)
+    outlier_detection: OutlierConfig = field(default_factory=OutlierConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,21 @@ class QueueSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class UpstreamKey:
+    """An upstream's API key, read from the environment at load; sent as a Bearer token.
+
+    The value never appears in a repr, a log line, /admin output or the rendered config
+    (which names the variable instead).
+    """
+
+    env: str  # the environment variable it was read from
+    value: str = field(repr=False)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.value}"}
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     name: str
     task: str  # "embeddings" or "generate"
@@ -98,6 +117,12 @@ class ModelSpec:
     drain_timeout_s: float = 30.0  # scale-in: in-flight requests may finish this long
     autoscaling: AutoscaleConfig | None = None  # None: static, ``replicas`` is all it has
     probe_max_ms: float | None = None  # ready only once a probe after warm-up is this fast
+    # per upstream (same order as ``upstreams``): its API key, or None; () when none has one
+    upstream_keys: tuple[UpstreamKey | None, ...] = ()
+
+    def upstream_key(self, index: int) -> UpstreamKey | None:
+        """The API key of ``upstreams[index]``, or None when it needs none."""
+        return self.upstream_keys[index] if index < len(self.upstream_keys) else None
 
     @property
     def local(self) -> bool:
@@ -118,6 +143,11 @@ class KeySpec:
     max_priority: str  # the most urgent level the key may ask for
     default_level: int  # level indices as the queue sees them (all 0 under fifo)
     max_level: int
+    role: str = "user"  # "admin": may call /admin/* (and /metrics when restricted to admins)
+
+    @property
+    def admin(self) -> bool:
+        return self.role == "admin"
 
 
 @dataclass(frozen=True, slots=True)

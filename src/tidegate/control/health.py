@@ -11,6 +11,10 @@ until one does not answer 404:
 200: READY. Any other answer, a timeout or no connection: FAILED with the reason; the next
 check that gets a 200 makes it READY again. The path that answered is asked first next time.
 An upstream's ``slots`` is the model's ``slots``, else ``DEFAULT_UPSTREAM_SLOTS``.
+
+An upstream started with ``--api-key`` (``api_key_env`` in the config) gets the key as
+``Authorization: Bearer`` on every check and every forwarded request (``auth_headers``);
+it is never logged nor shown.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Callable
 
 import httpx
 
-from tidegate.config import TidegateConfig
+from tidegate.config import TidegateConfig, UpstreamKey
 from tidegate.gateway.replicas import Replica, ReplicaState
 
 log = logging.getLogger("tidegate.control")
@@ -63,6 +67,7 @@ class UpstreamHealth:
                         slots=model.slots or DEFAULT_UPSTREAM_SLOTS,
                         detail="not checked yet",
                         on_change=on_change,
+                        auth_headers=_auth_headers(model.upstream_key(index)),
                     )
                 )
         self._paths: dict[str, str] = {}  # replica id -> the probe path that answered last
@@ -107,7 +112,9 @@ class UpstreamHealth:
         paths = [last, *(p for p in PROBE_PATHS if p != last)] if last else list(PROBE_PATHS)
         for path in paths:
             try:
-                response = await self._client.get(f"{replica.url}{path}")
+                response = await self._client.get(
+                    f"{replica.url}{path}", headers=dict(replica.auth_headers)
+                )
             except httpx.HTTPError as exc:
                 self._set(replica, ReplicaState.FAILED, f"{path}: {type(exc).__name__}: {exc}")
                 return
@@ -143,6 +150,10 @@ class UpstreamHealth:
                 level, "upstream %s (%s) is %s: %s", replica.id, replica.url, state.value, detail
             )
         replica.set_state(state, detail)
+
+
+def _auth_headers(key: UpstreamKey | None) -> dict[str, str]:
+    return {} if key is None else key.headers()
 
 
 def _status(response: httpx.Response) -> str:

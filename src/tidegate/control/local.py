@@ -513,8 +513,16 @@ class LocalWorkers:
             if slots is not None:
                 replica.slots = slots
                 ready_at = time.monotonic()
+                # launch to READY: the dispatcher's Retry-After when no replica is coming
+                replica.startup_s = ready_at - (deadline - self.ready_timeout_s)
                 replica.set_state(ReplicaState.READY, f"pid {process.pid} on {slot.device}")
-                log.info("replica %s ready at %s (%d slots)", replica.id, url, replica.slots)
+                log.info(
+                    "replica %s ready at %s (%d slots) %.1fs after its launch",
+                    replica.id,
+                    url,
+                    replica.slots,
+                    replica.startup_s,
+                )
         killed_for = ""
         if ready_at is None and not exited.done():
             # No address (its stdout ended: it is exiting) or not ready by the deadline.

@@ -1,4 +1,7 @@
-"""The admin API: replicas, the autoscaler's decisions, defragmentation."""
+"""The admin API: replicas, the autoscaler's decisions, defragmentation.
+
+Every route needs a key with role ``admin`` whenever keys are configured (auth).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tidegate.errors import InvalidRequest
-from tidegate.gateway.auth import authenticate
+from tidegate.gateway.auth import authorize_admin
 from tidegate.gateway.state import Gateway
 
 
@@ -17,18 +20,20 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/admin/replicas")
     async def admin_replicas(request: Request) -> dict[str, Any]:
-        authenticate(config, request)
+        authorize_admin(config, request)
         return {
             model: {
                 "queued": len(gateway.dispatchers[model].queue),
-                "replicas": [replica.describe() for replica in replicas],
+                "replicas": [
+                    gateway.dispatchers[model].describe_replica(replica) for replica in replicas
+                ],
             }
             for model, replicas in gateway.replicas.items()
         }
 
     @app.get("/admin/autoscaler")
     async def admin_autoscaler(request: Request) -> dict[str, Any]:
-        authenticate(config, request)
+        authorize_admin(config, request)
         controller = gateway.controller
         if controller is None:
             return {"models": {}, "note": "no model is autoscaled in this configuration"}
@@ -36,7 +41,7 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.get("/admin/defrag")
     async def admin_defrag_plan(request: Request) -> dict[str, Any]:
-        authenticate(config, request)
+        authorize_admin(config, request)
         controller = _controller(gateway)
         plan = controller.plan_defrag()
         return {
@@ -50,7 +55,7 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
 
     @app.post("/admin/defrag")
     async def admin_defrag(request: Request, force: bool = False) -> JSONResponse:
-        authenticate(config, request)
+        authorize_admin(config, request)
         controller = _controller(gateway)
         if not force and not controller.in_offpeak_window():
             return JSONResponse(

@@ -20,7 +20,7 @@ from tidegate import wire
 from tidegate.asgi import install_error_handlers
 from tidegate.config import TidegateConfig
 from tidegate.gateway.admin import add_admin_routes
-from tidegate.gateway.auth import authenticate
+from tidegate.gateway.auth import authenticate, authorize_metrics
 from tidegate.gateway.forward import TASK_OF_PATH, proxy_request
 from tidegate.gateway.replicas import Replica
 from tidegate.gateway.state import Gateway
@@ -57,7 +57,8 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
         return JSONResponse({"status": status, "ready_models": ready}, 200 if ok else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        authorize_metrics(config, request)  # gateway.metrics_auth: open, key or admin
         gateway.metrics.replicas.clear()
         for dispatcher in gateway.dispatchers.values():
             dispatcher.refresh_gauges()

@@ -1,6 +1,11 @@
-"""Who is asking, and at which priority: API keys (class and cap) and the asked level.
+"""Who is asking, and at which priority: API keys (class, cap, role) and the asked level.
 
-A request may lower its own priority, never raise it above its key's cap.
+A request may lower its own priority, never raise it above its key's cap. ``/admin/*``
+needs a key with role ``admin`` (403 for another key); ``/metrics`` needs what
+``gateway.metrics_auth`` says. Without a key, or with an unknown one: 401 with
+``WWW-Authenticate: Bearer``. With no keys configured the service is open (it binds
+127.0.0.1 by default), admin API included. Keys are matched in constant time
+(``TidegateConfig.key_for``).
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from typing import Any
 from fastapi import Request
 
 from tidegate.config import KeySpec, TidegateConfig
-from tidegate.errors import InvalidRequest, PriorityForbidden, Unauthorized
+from tidegate.errors import Forbidden, InvalidRequest, PriorityForbidden, Unauthorized
 
 
 def authenticate(config: TidegateConfig, request: Request) -> KeySpec | None:
@@ -24,6 +29,25 @@ def authenticate(config: TidegateConfig, request: Request) -> KeySpec | None:
     if key is None:
         raise Unauthorized("invalid API key")
     return key
+
+
+def authorize_admin(config: TidegateConfig, request: Request) -> KeySpec | None:
+    """The admin key of ``request`` (None on an open service); 401 or 403 otherwise."""
+    key = authenticate(config, request)
+    if key is not None and not key.admin:
+        raise Forbidden(
+            f"key {key.name} has role {key.role}; {request.url.path} needs a key with role admin"
+        )
+    return key
+
+
+def authorize_metrics(config: TidegateConfig, request: Request) -> None:
+    """``/metrics`` per ``gateway.metrics_auth``: open, any valid key, or an admin key."""
+    mode = config.gateway.metrics_auth
+    if mode == "key":
+        authenticate(config, request)
+    elif mode == "admin":
+        authorize_admin(config, request)
 
 
 def requested_level(

@@ -11,6 +11,15 @@ free slot serves (``servable_levels``) can take, at its own level or one it has 
 then route it with ``pick_replica``: to a pool of its own level, else (aged) to one of a
 level it has reached. A replica holds only ``slots`` requests; the backlog waits here,
 where priority and aging apply.
+
+Replicas ejected by passive failure detection (``record_answer``, core.outliers) are left
+out while others serve their levels (``routable_views``); the timer also wakes the task
+when one returns.
+
+No ready replica: a request is still admitted and waits (bounded by its level's queue
+timeout, 504 after) while one is coming (starting, warming, being restarted, or cold-started
+on demand); when none is coming it gets 503 with a Retry-After of the model's measured
+start-up time.
 """
 
 from __future__ import annotations
@@ -24,15 +33,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tidegate.clock import SYSTEM_CLOCK, Clock
+from tidegate.core.outliers import OutlierAction, OutlierConfig, decide_outlier, routable_views
 from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
 from tidegate.core.request import Request
 from tidegate.core.routing import PoolSpec, pick_replica, servable_levels
 from tidegate.errors import NotReady, Overloaded, QueueTimeout
-from tidegate.gateway.replicas import Replica
+from tidegate.gateway.replicas import Replica, ReplicaState
 from tidegate.metrics import GatewayMetrics
 
 log = logging.getLogger("tidegate.gateway")
-NO_REPLICA_RETRY_AFTER_S = 2.0  # about the time a crashed worker takes to come back
+# Retry-After with no replica ready and none coming, before any start-up was measured: about
+# the interval of the upstreams' health checks, which would see one come back.
+NO_REPLICA_RETRY_AFTER_S = 2.0
 
 
 @dataclass(eq=False)
@@ -56,8 +68,10 @@ class ModelDispatcher:
         metrics: GatewayMetrics,
         clock: Clock = SYSTEM_CLOCK,
         on_release: Callable[[], None] | None = None,
+        outliers: OutlierConfig | None = None,
     ) -> None:
         self.model = model
+        self.outliers = outliers or OutlierConfig()  # when a failing replica is ejected
         self.on_release = on_release  # tells a draining gateway that work finished
         self.queue = WaitQueue(queue)
         self.pools = pools
@@ -84,13 +98,13 @@ class ModelDispatcher:
         """Admit and queue, or raise Overloaded (429) / NotReady (503)."""
         if self.closed is not None:
             raise NotReady(self.closed, code="shutting_down", retry_after_s=1.0)
-        if not any(replica.ready for replica in self.replicas) and not self._cold_starting():
-            # Why not queue: with nothing ready there is no drain rate to promise a wait
-            # from; the client learns it now and when to come back.
+        if not any(replica.ready for replica in self.replicas) and not self._coming():
+            # Why not queue: nothing is ready and nothing is on its way, so no wait can be
+            # promised; the client learns it now, and when a start would be done.
             raise NotReady(
-                f"{self.model}: no ready replica (starting, restarting or failed)",
+                f"{self.model}: no ready replica, and none starting",
                 code="no_ready_replica",
-                retry_after_s=NO_REPLICA_RETRY_AFTER_S,
+                retry_after_s=self.startup_estimate_s(),
             )
         now = self.clock.now()
         decision = self.queue.admit(request, now, self.saturation())
@@ -120,12 +134,23 @@ class ModelDispatcher:
             self._wake.set()  # an earlier deadline than the armed timer: re-arm it
         return ticket
 
-    def _cold_starting(self) -> bool:
-        """Whether a request may wait for a replica that is (about to be) starting."""
-        if self.on_demand is None:
-            return False
-        self.on_demand()
-        return True
+    def _coming(self) -> bool:
+        """Whether a request may wait for a replica that is (about to be) starting.
+
+        One is starting, warming or restarting (a crashed worker comes back by itself:
+        the wait is bounded by the level's queue timeout), or the controller cold-starts
+        one on demand (told at once).
+        """
+        if self.on_demand is not None:
+            self.on_demand()
+            return True
+        return any(replica.coming for replica in self.replicas)
+
+    def startup_estimate_s(self) -> float:
+        """How long a start of this model's replicas takes: the longest measured, else a
+        default (no replica measured yet, or upstreams, which tidegate does not start)."""
+        measured = [r.startup_s for r in self.replicas if r.startup_s is not None]
+        return max(measured) if measured else NO_REPLICA_RETRY_AFTER_S
 
     def cancel(self, ticket: Ticket) -> None:
         """The client went away: drop it from the queue, or give back its slot."""
@@ -148,6 +173,34 @@ class ModelDispatcher:
     def _notify(self) -> None:
         if self.on_release is not None:
             self.on_release()
+
+    def record_answer(self, replica: Replica, *, ok: bool) -> None:
+        """What ``replica`` answered a forwarded request: ``ok`` (below 500) or not (5xx, no
+        connection, cut short). Consecutive failures eject it from routing for a while."""
+        now = self.clock.now()
+        live = [r for r in self.replicas if r.state is not ReplicaState.STOPPED]
+        state, action = decide_outlier(
+            replica.outlier,
+            failed=not ok,
+            now=now,
+            num_ejected=sum(r.outlier.ejected(now) for r in live if r is not replica),
+            num_replicas=len(live),
+            config=self.outliers,
+        )
+        replica.outlier = state
+        if action is OutlierAction.EJECT:
+            assert state.ejected_until is not None
+            self.metrics.ejections.labels(self.model, replica.id).inc()
+            log.warning(
+                "replica %s ejected for %.0fs after %d failed answers in a row (ejection %d)",
+                replica.id,
+                state.ejected_until - now,
+                self.outliers.consecutive_failures,
+                state.num_ejections,
+            )
+            self._wake.set()  # re-arm the owner task's timer for its return
+        elif action is OutlierAction.RETURN:
+            log.info("replica %s answered well after its ejection: back in rotation", replica.id)
 
     def retry(self, ticket: Ticket, failed: Replica) -> Ticket:
         """Put a request whose replica failed before any byte back in front of its level."""
@@ -179,6 +232,7 @@ class ModelDispatcher:
             wake_at = self._timer_at = _earliest(
                 self.queue.next_deadline_at(),
                 self.queue.next_eligible_at(levels) if levels and len(self.queue) else None,
+                self._next_return_at(now) if len(self.queue) else None,
             )
             timeout = None if wake_at is None else max(0.0, wake_at - now)
             with contextlib.suppress(TimeoutError):
@@ -186,7 +240,11 @@ class ModelDispatcher:
 
     def _dispatch(self, now: float) -> frozenset[int]:
         """Dispatch what free slots can take; returns the levels still servable then."""
-        views = {replica.id: replica.view() for replica in self.replicas}
+        ejected = frozenset(r.id for r in self.replicas if r.outlier.ejected(now))
+        views = {
+            view.id: view
+            for view in routable_views((r.view() for r in self.replicas), ejected, self.pools)
+        }
         by_id = {replica.id: replica for replica in self.replicas}
         levels: frozenset[int] = frozenset()
         while len(self.queue):
@@ -226,6 +284,12 @@ class ModelDispatcher:
         if eligible_at is not None and (self._timer_at is None or eligible_at < self._timer_at):
             self._wake.set()
 
+    def _next_return_at(self, now: float) -> float | None:
+        """When the next ejected replica gets traffic again (None: none is ejected)."""
+        return _earliest(
+            *(r.outlier.ejected_until for r in self.replicas if r.outlier.ejected(now))
+        )
+
     def fail_all(self, error: Exception) -> int:
         """Answer everything still queued with ``error`` (shutdown). Returns how many."""
         requests = self.queue.pop(len(self.queue) or 1, self.clock.now())
@@ -251,6 +315,8 @@ class ModelDispatcher:
         states: dict[tuple[str, str], int] = {}
         for replica in self.replicas:
             self.metrics.inflight.labels(self.model, replica.id).set(replica.in_flight)
+            ejected = replica.outlier.ejected(self.clock.now())
+            self.metrics.ejected.labels(self.model, replica.id).set(ejected)
             ready += replica.ready
             key = (replica.pool, replica.state.value)
             states[key] = states.get(key, 0) + 1
@@ -258,6 +324,14 @@ class ModelDispatcher:
             self.metrics.replicas.labels(self.model, pool, state).set(count)
         demand = len(self.queue) + self.num_in_flight()
         self.metrics.queue_depth_per_replica.labels(self.model).set(demand / max(1, ready))
+
+    def describe_replica(self, replica: Replica) -> dict[str, object]:
+        """A replica for /admin/replicas: its state, start-up time and outlier record."""
+        return {
+            **replica.describe(),
+            "startup_s": None if replica.startup_s is None else round(replica.startup_s, 3),
+            "outlier": replica.outlier.describe(self.clock.now()),
+        }
 
 
 def _earliest(*times: float | None) -> float | None:

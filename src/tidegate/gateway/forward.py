@@ -161,6 +161,7 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
         try:
             forwarded = await _send(gateway, replica, request, body, headers, stream, call)
         except ConnectFailed as exc:
+            dispatcher.record_answer(replica, ok=False)
             connect_failures += 1
             if connect_failures > 1:
                 dispatcher.release(replica, completed=False)
@@ -175,6 +176,8 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
             ticket = dispatcher.retry(ticket, replica)
             continue
         except BaseException as exc:
+            if isinstance(exc, ReplicaFailed):  # cut mid-answer; a client gone is no vote
+                dispatcher.record_answer(replica, ok=False)
             dispatcher.release(replica, completed=False)
             if isinstance(exc, NotReady):  # shutdown's cut-off (Gateway.until_cut_off)
                 call.outcome = outcome_of(exc)
@@ -189,6 +192,7 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
             log.info("%s: handed back by draining replica %s", call.rid, replica.id)
             ticket = dispatcher.retry(ticket, replica)
             continue
+        dispatcher.record_answer(replica, ok=forwarded.status < 500)  # outlier detection
         return _respond(gateway, dispatcher, replica, forwarded, call)
 
 
@@ -237,7 +241,7 @@ async def _send(
         gateway.client,
         url,
         body,
-        headers,
+        {**headers, **replica.auth_headers} if replica.auth_headers else headers,
         stream=stream,
         on_first_byte=lambda at: observe(at - call.started),
     )
@@ -283,6 +287,7 @@ def _respond(
             outcome = "completed"
         except ReplicaFailed as exc:
             outcome = "failed"
+            dispatcher.record_answer(replica, ok=False)
             log.warning("%s: %s", call.rid, exc)
             yield sse(exc.body())
             yield SSE_DONE

@@ -4,14 +4,18 @@ A replica is one OpenAI-compatible server of one model: a local ``tidegate worke
 process or a static upstream (vLLM, SGLang, TGI, another tidegate). It gets traffic only
 while READY. ``in_flight`` is counted by the gateway itself (requests it sent and not yet
 finished), ``slots`` is what the replica can batch soon (from its /stats or the config).
+``outlier`` is its passive failure record (core.outliers): a READY replica that keeps
+failing is ejected from routing for a while. ``coming`` says whether one that is not ready
+is expected to become so without anyone acting (starting, warming, or being restarted).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from tidegate.core.outliers import OutlierState
 from tidegate.core.routing import ReplicaView
 
 
@@ -38,14 +42,30 @@ class Replica:
     pid: int | None = None  # local workers: the process (and process group) id
     detail: str = ""  # why it is in its state, for /admin/replicas and logs
     on_change: Callable[[Replica], None] | None = field(default=None, repr=False)
+    outlier: OutlierState = field(default_factory=OutlierState)  # the dispatcher's record
+    startup_s: float | None = None  # measured from its last launch to READY (local workers)
+    # sent with every request and health check (an upstream's API key); never shown
+    auth_headers: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def ready(self) -> bool:
         return self.state is ReplicaState.READY
 
+    @property
+    def coming(self) -> bool:
+        """Not ready, but expected to be: starting, warming, or failed and restarted by its
+        orchestrator. A failed upstream is not: nothing here restarts it."""
+        if self.state in (ReplicaState.STARTING, ReplicaState.WARMING):
+            return True
+        return self.state is ReplicaState.FAILED and self.kind != "upstream"
+
     def set_state(self, state: ReplicaState, detail: str = "") -> None:
         """Change state and tell the dispatcher (a replica became ready, or went away)."""
         changed = state is not self.state
+        if changed and state is ReplicaState.READY:
+            # A new life (restarted, or its health check passes again): judged afresh, as
+            # Envoy un-ejects a host that passes its active health check.
+            self.outlier = OutlierState()
         self.state = state
         self.detail = detail
         if changed and self.on_change is not None:

@@ -60,6 +60,7 @@ class Gateway:
                 self.replicas[name],
                 self.metrics,
                 on_release=self._released,
+                outliers=self.config.gateway.outlier_detection,
             )
 
     def _released(self) -> None:
