@@ -21,7 +21,7 @@ from tidegate.engines.generation import (
     cache_sizing,
 )
 from tidegate.engines.tiny_llama import MARKER, ensure_tiny_llama, tiny_llama_dir
-from tidegate.errors import PromptTooLong, ReplicaFailed
+from tidegate.errors import InvalidRequest, PromptTooLong, ReplicaFailed
 
 GREEDY = 0.0
 
@@ -62,6 +62,18 @@ async def drain(stream: AsyncIterator[TokenEvent]) -> None:
 
 def text_of(events: list[TokenEvent]) -> str:
     return "".join(event.text for event in events)
+
+
+class Told:
+    """An engine owner's failure callback: the reasons it heard, and an event to wait on."""
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+        self.event = threading.Event()
+
+    def __call__(self, reason: str) -> None:
+        self.reasons.append(reason)
+        self.event.set()
 
 
 def non_daemon_threads() -> set[threading.Thread]:
@@ -303,6 +315,19 @@ async def test_a_request_over_the_context_is_refused(engine: TransformersGenerat
     assert engine.num_running == 0
 
 
+@pytest.mark.asyncio
+async def test_an_empty_prompt_is_refused_before_it_reaches_the_manager(
+    engine: TransformersGenerator,
+) -> None:
+    assert engine.encode("") == []  # the byte tokenizer adds no special token
+    # Alone in a step, a sequence of no tokens kills the manager's loop (issue 11).
+    with pytest.raises(InvalidRequest, match="no tokens"):
+        await run(engine, "empty", "", SamplingParams(max_tokens=1))
+    assert engine.num_running == 0
+    events = await run(engine, "after-empty", "x", SamplingParams(max_tokens=2, temperature=GREEDY))
+    assert events[-1].num_tokens == 2
+
+
 # --------------------------------------------------------------------------- failure and close
 @pytest.mark.asyncio
 async def test_a_dead_manager_fails_running_and_later_sequences(
@@ -313,6 +338,8 @@ async def test_a_dead_manager_fails_running_and_later_sequences(
         "tiny-llama", max_num_seqs=1, max_context_tokens=64, cache_dir=cache
     )
     await asyncio.to_thread(engine.load)
+    told = Told()
+    engine.on_failure(told)
     try:
         stream = engine.generate("victim", engine.encode("a"), SamplingParams(max_tokens=60))
         await anext(stream)
@@ -327,9 +354,39 @@ async def test_a_dead_manager_fails_running_and_later_sequences(
         with pytest.raises(ReplicaFailed):
             await run(engine, "after", "b", SamplingParams(max_tokens=2))
         assert engine.num_running == 0
+        # Its owner is told once, from the reader thread, with the reason.
+        assert await asyncio.to_thread(told.event.wait, 10)
+        (reason,) = told.reasons
+        assert "simulated device failure" in reason
     finally:
         await asyncio.to_thread(engine.close)
+    assert told.reasons == [reason]  # closing a dead engine is not a second failure
     assert non_daemon_threads() <= before
+
+
+@pytest.mark.asyncio
+async def test_an_idle_engine_whose_loop_dies_tells_its_owner(cache: Path) -> None:
+    engine = TransformersGenerator(
+        "tiny-llama", max_num_seqs=1, max_context_tokens=64, cache_dir=cache
+    )
+    await asyncio.to_thread(engine.load)
+    told = Told()
+    engine.on_failure(told)
+    try:
+        # Issue 11's fault, past the engine's guard: a sequence of no tokens, alone in its
+        # step, kills the manager's loop while no request of ours is running.
+        engine._manager.add_request([], request_id="empty", max_new_tokens=1)
+        assert await asyncio.to_thread(told.event.wait, 30), "the owner was never told"
+        (reason,) = told.reasons
+        assert "generation loop died" in reason
+        late: list[str] = []
+        engine.on_failure(late.append)  # an owner that comes after the death hears at once
+        assert late == [reason]
+        with pytest.raises(ReplicaFailed, match="generation loop died"):
+            await run(engine, "after", "b", SamplingParams(max_tokens=2))
+    finally:
+        await asyncio.to_thread(engine.close)
+    assert len(told.reasons) == 1
 
 
 @pytest.mark.asyncio

@@ -4,11 +4,15 @@ An embedding engine turns a batch of texts into vectors; the worker forms the ba
 A generation engine runs many sequences at once (iteration-level batching): the worker
 decides which sequence starts when, the engine streams each one's tokens back.
 Engines are loaded and warmed before a worker reports ready.
+
+An engine that runs a loop of its own (transformers' continuous batching thread) can die
+while the worker lives: it then tells its owner through ``on_failure``, fails whatever it
+still runs, and refuses every later request. It never looks alive once it is not.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -65,6 +69,13 @@ class _Loaded(Protocol):
     def memory(self) -> MemoryReport: ...
 
     def close(self) -> None: ...
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Have ``callback(reason)`` called once if the engine dies and can serve no more.
+
+        It may be called from any thread, and at once if the engine has died already.
+        Closing the engine is not a failure. Engines without a loop of their own never call it.
+        """
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +120,6 @@ class TransformersEmbeddings:
 
     def close(self) -> None:
         self._model = None
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """No loop of its own: a batch that fails fails its requests, not the engine."""

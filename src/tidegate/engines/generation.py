@@ -11,7 +11,9 @@ outputs). Outputs are cumulative, so a sequence keeps only the newest: a slow cl
 no memory and gets the tokens made meanwhile in one event. Outputs of sequences no longer
 listening (cancelled, or ended by a stop string) are dropped.
 If the manager dies, every live sequence fails with ``ReplicaFailed`` and so does every
-later one; nothing hangs.
+later one; nothing hangs. The reader notices the death (at most ``_POLL_S`` later when idle)
+and tells the owner once through ``on_failure``: a dead engine must not look alive.
+A prompt of no tokens is refused before it reaches the manager: it would kill its loop.
 
 Sizing: the paged KV cache holds ``max_num_seqs`` full contexts
 (``max_num_seqs * max_context_tokens`` tokens), so running sequences never need to be
@@ -37,17 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidegate.engines import tiny_llama
 from tidegate.engines.base import MemoryReport, ModelCard, SamplingParams, TokenEvent
 from tidegate.engines.hf_runtime import claim_device, engine_memory, quiet_transformers
 from tidegate.engines.text import StopScanner
-from tidegate.errors import PromptTooLong, ReplicaFailed
+from tidegate.errors import InvalidRequest, PromptTooLong, ReplicaFailed
 
 log = logging.getLogger(__name__)
-
-TINY_LLAMA_DESCRIPTION = (
-    "SYNTHETIC: a 2-layer Llama with random weights and a byte tokenizer, built offline "
-    "from a fixed seed; for load and scheduling work, its text is meaningless"
-)
 # Context of a model given by path, when its position table is larger: bounds the KV cache.
 DEFAULT_CONTEXT_TOKENS = 2048
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy decoding
@@ -181,6 +179,8 @@ class TransformersGenerator:
         self._reader: threading.Thread | None = None
         self._stopping = threading.Event()
         self._failure: str | None = None  # set once the engine cannot generate any more
+        self._died: str | None = None  # why the manager died (a failure that is not close())
+        self._on_failure: list[Callable[[str], None]] = []
         self._closed = False
 
     # ------------------------------------------------------------------ card
@@ -188,14 +188,12 @@ class TransformersGenerator:
         if self._context_limit is not None:
             return self._context_limit
         if self.model_path is None:
-            from tidegate.engines.tiny_llama import CONTEXT_TOKENS
-
-            return CONTEXT_TOKENS
+            return tiny_llama.CONTEXT_TOKENS
         return DEFAULT_CONTEXT_TOKENS
 
     def _make_card(self, context: int, folder: str) -> ModelCard:
         if self.model_path is None:
-            description = TINY_LLAMA_DESCRIPTION
+            description = tiny_llama.DESCRIPTION
         else:
             description = f"local model {folder or self.model_path}"
             if self.synthetic:
@@ -231,9 +229,7 @@ class TransformersGenerator:
         if self.model_path is not None:
             folder = Path(self.model_path)
         else:
-            from tidegate.engines.tiny_llama import ensure_tiny_llama
-
-            folder = ensure_tiny_llama(self.cache_dir)
+            folder = tiny_llama.ensure_tiny_llama(self.cache_dir)
         device = claim_device(self.device, self.memory_fraction)
         tokenizer = hf.AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = hf.AutoModelForCausalLM.from_pretrained(
@@ -315,6 +311,30 @@ class TransformersGenerator:
     def memory(self) -> MemoryReport:
         return engine_memory(self._model, self.device)
 
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` once, from the reader thread, when the manager dies."""
+        with self._lock:
+            died = self._died
+            if died is None:
+                self._on_failure.append(callback)
+        if died is not None:
+            callback(died)
+
+    def _die(self, reason: str) -> None:
+        """The manager can generate no more: refuse new sequences, tell the owners once."""
+        with self._lock:
+            if self._died is not None:
+                return
+            self._died = self._failure = reason
+            callbacks, self._on_failure = self._on_failure, []
+        if not callbacks:  # nobody owns this engine to say it: say it here
+            log.error("%s", reason)
+        for callback in callbacks:
+            try:
+                callback(reason)
+            except Exception:  # one owner's bug must not keep the others uninformed
+                log.exception("engine %s: a failure callback failed", self.name)
+
     # ------------------------------------------------------------------ prompts
     def encode(self, prompt: str) -> list[int]:
         ids: list[int] = self._require_tokenizer()(prompt)["input_ids"]
@@ -362,6 +382,11 @@ class TransformersGenerator:
             raise ReplicaFailed(self._failure or f"engine {self.name} is not loaded")
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, not {params.max_tokens}")
+        if not prompt_ids:
+            # The manager cannot run a sequence of no tokens: its whole loop would die.
+            raise InvalidRequest(
+                f"engine {self.name}: the prompt has no tokens", param="prompt", code="empty_prompt"
+            )
         if len(prompt_ids) + params.max_tokens > self.card.max_context_tokens:
             # The worker checks this first; a request larger than the cache kills the manager.
             raise PromptTooLong(
@@ -428,8 +453,7 @@ class TransformersGenerator:
                     if not manager.is_running() or _fatal_error(manager) is not None:
                         if not self._closed:
                             reason = _fatal_error(manager) or "the generation loop stopped"
-                            self._failure = f"engine {self.name}: {reason}"
-                            log.error("%s", self._failure)
+                            self._die(f"engine {self.name}: generation loop died: {reason}")
                         break
                     continue
                 batch = [output]
@@ -438,7 +462,7 @@ class TransformersGenerator:
                 self._dispatch(batch)
         except Exception as exc:  # a bug here must not leave sequences waiting forever
             log.exception("engine %s: output reader failed", self.name)
-            self._failure = f"engine {self.name}: output reader failed: {exc}"
+            self._die(f"engine {self.name}: output reader failed: {exc}")
         if self._failure is not None:
             self._fail_all(self._failure)
 
@@ -494,5 +518,4 @@ __all__ = [
     "IncrementalDetokenizer",
     "TransformersGenerator",
     "cache_sizing",
-    "quiet_transformers",
 ]

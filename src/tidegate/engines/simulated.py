@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 import math
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from tidegate.engines.base import MemoryReport, ModelCard, SamplingParams, TokenEvent
 from tidegate.engines.profile import EngineProfile
@@ -61,6 +61,9 @@ class SimulatedEmbeddings:
     def close(self) -> None:
         """Nothing to release."""
 
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """No loop of its own: it never dies on its own."""
+
     def memory(self) -> MemoryReport:
         return _memory(self.profile)
 
@@ -106,6 +109,9 @@ class SimulatedGenerator:
 
     def close(self) -> None:
         """Nothing to release."""
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """No loop of its own: it never dies on its own."""
 
     def memory(self) -> MemoryReport:
         return _memory(self.profile)

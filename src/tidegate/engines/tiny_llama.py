@@ -20,6 +20,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tidegate.engines.hf_runtime import quiet_transformers
+
 NAME = "tiny-llama-v1"
 MARKER = "README.md"
 CONTEXT_TOKENS = 1024  # what the engine accepts: prompt + output
@@ -33,6 +35,10 @@ CHAT_TEMPLATE = (
 # Weights drawn wider than Llama's 0.02, so that next-token distributions are peaked enough
 # for greedy output to vary instead of repeating one byte.
 INIT_STD = 0.25
+DESCRIPTION = (
+    "SYNTHETIC: a 2-layer Llama with random weights and a byte tokenizer, built offline "
+    "from a fixed seed; for load and scheduling work, its text is meaningless"
+)
 
 _README = f"""# {NAME} (SYNTHETIC)
 
@@ -80,8 +86,6 @@ def build_tiny_llama(out: Path) -> None:
     """Write the model, tokenizer and README into ``out`` (created; must not exist)."""
     import torch
     import transformers
-
-    from tidegate.engines.generation import quiet_transformers
 
     hf: Any = transformers  # its functions are untyped
 

@@ -3,6 +3,9 @@
 The gateway treats a worker exactly like a vLLM server. Extra: ``/stats`` (what the gateway
 needs for flow control), ``/readyz`` gated on warm-up, and the ``X-Tidegate-Priority``
 header that orders the worker's local queue.
+
+``on_fatal`` is called when the worker can serve nothing more: its engine failed to start,
+or died later (``Worker.fail``). The server then exits non-zero, so that it is replaced.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def create_app(
     engine_factory: Callable[[WorkerSettings], Engine] = default_engine_factory,
     on_fatal: Callable[[], None] | None = None,
 ) -> FastAPI:
-    worker = Worker(settings)
+    worker = Worker(settings, on_fatal=on_fatal)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -165,7 +168,7 @@ def create_app(
     async def completions(request: Request) -> Response:
         body = wire.parse(wire.CompletionRequest, await json_body(request))
         engine = cast(GenerationEngine, _engine_for(worker, body.model, "generate"))
-        prompt_ids = engine.encode(body.prompt_text())
+        prompt_ids = _some_tokens(engine.encode(body.prompt_text()), "prompt")
         params = _sampling(body, body.max_tokens, engine.card, len(prompt_ids), 16)
         return await _generate(request, worker, body, prompt_ids, params, chat=False)
 
@@ -174,7 +177,7 @@ def create_app(
         body = wire.parse(wire.ChatCompletionRequest, await json_body(request))
         engine = cast(GenerationEngine, _engine_for(worker, body.model, "generate"))
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = engine.encode_chat(messages)
+        prompt_ids = _some_tokens(engine.encode_chat(messages), "messages")
         default = min(CHAT_DEFAULT_MAX_TOKENS, engine.card.max_output_tokens)
         params = _sampling(body, body.output_limit(), engine.card, len(prompt_ids), default)
         return await _generate(request, worker, body, prompt_ids, params, chat=True)
@@ -189,6 +192,12 @@ def _engine_for(worker: Worker, model: str, task: str) -> Engine:
             f"model {model!r} is not served here; this worker serves {worker.settings.model!r}",
             param="model",
         )
+    if worker.phase == "failed":
+        raise NotReady(
+            f"model {model}: the engine of this replica failed: {worker.error}",
+            code="engine_failed",
+            retry_after_s=1.0,
+        )
     if not worker.ready or worker.engine is None:
         code = "draining" if worker.phase == "draining" else "not_ready"
         raise NotReady(f"model {model} is {worker.phase}", code=code, retry_after_s=1.0)
@@ -202,6 +211,17 @@ def _engine_for(worker: Worker, model: str, task: str) -> Engine:
             code="wrong_task",
         )
     return engine
+
+
+def _some_tokens(prompt_ids: list[int], param: str) -> list[int]:
+    """A prompt of no tokens has nothing to continue from (and would kill the engine's loop)."""
+    if not prompt_ids:
+        raise InvalidRequest(
+            f"the {param} is empty: it encodes to 0 tokens; give at least one",
+            param=param,
+            code="empty_prompt",
+        )
+    return prompt_ids
 
 
 def _priority(request: Request) -> int:

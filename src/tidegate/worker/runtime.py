@@ -1,17 +1,27 @@
-"""One worker's life: load the engine, warm it up, then serve; phases gate /readyz."""
+"""One worker's life: load the engine, warm it up, then serve; phases gate /readyz.
+
+A worker whose engine died (its generation loop, or the embedding batch loop) is ``failed``
+for good: ``/readyz`` answers 503 with the reason, what waits is answered 503
+``engine_failed`` (what runs is failed by the engine, 502), new requests are refused, and
+``on_fatal`` is called so that the process exits and its supervisor replaces it. A dead
+engine never looks ready.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from prometheus_client import Counter
+
 from tidegate.core.batching import BatchConfig
 from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
 from tidegate.engines.base import EmbeddingEngine, Engine, GenerationEngine, SamplingParams
-from tidegate.errors import NotReady
+from tidegate.errors import NotReady, ReplicaFailed
 from tidegate.metrics import WorkerMetrics
 from tidegate.worker.scheduling import EmbeddingBatcher, SequenceScheduler
 
@@ -52,10 +62,21 @@ class Worker:
     engine: Engine | None = None
     batcher: EmbeddingBatcher | None = None
     sequences: SequenceScheduler | None = None
-    phase: str = "starting"  # starting, loading, warming, ready, draining, failed, stopping
+    # starting, loading, warming, probing, ready, draining; terminal: failed, stopping
+    phase: str = "starting"
     error: str | None = None
     created_at: float = field(default_factory=time.monotonic)
+    on_fatal: Callable[[], None] | None = None  # the engine died: the process should go
+    engine_failures: Counter = field(init=False)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.engine_failures = Counter(
+            "tidegate_worker_engine_failures_total",
+            "Engines that died under this worker (it then turns unready and exits).",
+            ["model"],
+            registry=self.metrics.registry,
+        )
 
     @property
     def ready(self) -> bool:
@@ -79,16 +100,17 @@ class Worker:
             self.engine = engine
             load_s = time.monotonic() - load_started
             self._attach(engine)
-            self.phase = "warming"
+            self._enter("warming")
             warm_started = time.monotonic()
             await self._warm_up(engine)
             warm_s = time.monotonic() - warm_started
-            self.phase = "probing"
+            self._enter("probing")
             probe_s = await self._probe(engine)
         except Exception as exc:
-            self.phase = "failed"
-            self.error = f"{type(exc).__name__}: {exc}"
-            log.exception("worker %s failed to start", s.model)
+            if self.phase != "failed":  # else fail() has told why already
+                self.phase = "failed"
+                self.error = f"{type(exc).__name__}: {exc}"
+                log.exception("worker %s failed to start", s.model)
             raise
         ready_s = time.monotonic() - self.created_at
         labels = self.metrics.startup
@@ -99,8 +121,8 @@ class Worker:
         memory = engine.memory()
         self.metrics.memory.labels(s.model, memory.device, "weights").set(memory.weights_bytes)
         self.metrics.memory.labels(s.model, memory.device, "peak").set(memory.peak_bytes)
+        self._enter("ready")
         self.metrics.ready.labels(s.model).set(1)
-        self.phase = "ready"
         log.info(
             "worker %s ready: load %.2fs, warm-up %.2fs, %.2fs since start",
             s.model,
@@ -109,13 +131,23 @@ class Worker:
             ready_s,
         )
 
+    def _enter(self, phase: str) -> None:
+        """Move on to the next start-up phase, unless the engine died meanwhile."""
+        if self.phase == "failed":
+            raise ReplicaFailed(f"{self.settings.model}: {self.error}")
+        self.phase = phase
+
     def _attach(self, engine: Engine) -> None:
         s = self.settings
+        loop = asyncio.get_running_loop()
+        engine.on_failure(lambda reason: self._engine_died(loop, reason))
         if engine.card.task == "embeddings":
             assert isinstance(engine, EmbeddingEngine)
             batch = BatchConfig(s.max_batch_size, s.max_batch_tokens, s.batch_window_ms)
             self.batcher = EmbeddingBatcher(engine, batch, self.queue_config(), self.metrics)
-            self._tasks.append(asyncio.create_task(self.batcher.run(), name="batcher"))
+            batcher = asyncio.create_task(self.batcher.run(), name="batcher")
+            batcher.add_done_callback(self._batch_loop_ended)
+            self._tasks.append(batcher)
         else:
             assert isinstance(engine, GenerationEngine)
             self.sequences = SequenceScheduler(
@@ -176,6 +208,44 @@ class Worker:
                 pass
 
         await asyncio.gather(*(one(i) for i in range(min(4, self.settings.max_num_seqs))))
+
+    def _engine_died(self, loop: asyncio.AbstractEventLoop, reason: str) -> None:
+        """The engine's failure callback: any thread."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: this worker is gone
+            loop.call_soon_threadsafe(self.fail, reason)
+
+    def _batch_loop_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return  # stop() ended it
+        exc = task.exception()
+        if exc is None:
+            self.fail("the embedding batch loop returned")
+        else:
+            self.fail(f"the embedding batch loop died: {type(exc).__name__}: {exc}", exc)
+
+    def fail(self, reason: str, exc: BaseException | None = None) -> None:
+        """The engine can serve nothing more: unready for good, answer what waits, exit.
+
+        Idempotent; nothing once the worker is stopping.
+        """
+        if self.phase in ("failed", "stopping"):
+            return
+        model = self.settings.model
+        self.phase = "failed"
+        self.error = reason
+        self.engine_failures.labels(model).inc()
+        self.metrics.ready.labels(model).set(0)
+        log.error("worker %s: engine failed, serving nothing more: %s", model, reason, exc_info=exc)
+        error = NotReady(
+            f"{model}: the engine of this replica failed: {reason}",
+            code="engine_failed",
+            retry_after_s=1.0,
+        )
+        for scheduler in (self.batcher, self.sequences):
+            if scheduler is not None:
+                scheduler.fail(error)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def drain(self) -> int:
         """Stop taking requests (``/readyz`` 503 ``draining``); return the waiting ones."""

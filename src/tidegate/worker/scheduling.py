@@ -7,6 +7,10 @@
   queue until one of ``max_num_seqs`` slots is free, then joins the engine's running batch;
   a finished or cancelled sequence frees its slot at once and the most urgent waiting one
   takes it. Both are event-driven: they wake on an arrival, a slot freed or a window's end.
+
+``fail(error)`` is for an engine that died: every request still waiting (and, for
+embeddings, every input of the batch that was running) is answered with ``error``, and
+every later one is refused with it. Nothing waits on a dead engine.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class EmbeddingBatcher:
         self._results: dict[str, asyncio.Future[list[float]]] = {}
         self._wake = asyncio.Event()
         self._ids = itertools.count()
+        self.failure: BaseException | None = None  # set by fail(): the engine is gone
 
     @property
     def slots(self) -> int:
@@ -93,6 +98,8 @@ class EmbeddingBatcher:
         self, texts: Sequence[str], tokens: Sequence[int], priority: int
     ) -> list[list[float]]:
         """Queue every input, wait for all; cancelling this removes what is still queued."""
+        if self.failure is not None:
+            raise self.failure
         now = self.clock.now()
         loop = asyncio.get_running_loop()
         ids: list[str] = []
@@ -125,6 +132,13 @@ class EmbeddingBatcher:
         for request in waiting:
             self._settle(request.id, exc=error)
         return len(waiting)
+
+    def fail(self, error: BaseException) -> None:
+        """Answer every input, waiting or in the running batch, with ``error``; refuse more."""
+        self.failure = error
+        self.drain(error)
+        for rid in list(self._results):  # a dead loop leaves its batch's futures open
+            self._settle(rid, exc=error)
 
     async def run(self) -> None:
         """The owner loop: plan, pop, run; sleep until the next arrival or window end."""
@@ -192,6 +206,7 @@ class SequenceScheduler:
         self.throughput = Throughput()
         self.num_running = 0
         self._granted: dict[str, asyncio.Future[None]] = {}
+        self.failure: BaseException | None = None  # set by fail(): the engine is gone
 
     @property
     def slots(self) -> int:
@@ -201,6 +216,8 @@ class SequenceScheduler:
         self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams, priority: int
     ) -> AsyncGenerator[TokenEvent, None]:
         """Wait for a slot in priority order, then stream the sequence's tokens."""
+        if self.failure is not None:
+            raise self.failure
         now = self.clock.now()
         request = Request(
             seq_id,
@@ -243,6 +260,14 @@ class SequenceScheduler:
             if granted is not None and not granted.done():
                 granted.set_exception(error)
         return len(waiting)
+
+    def fail(self, error: BaseException) -> None:
+        """Answer every waiting sequence with ``error`` and refuse new ones.
+
+        Running sequences are the engine's to fail: it fails them when it dies.
+        """
+        self.failure = error
+        self.drain(error)
 
     def _release_slot(self) -> None:
         self.num_running -= 1
