@@ -37,7 +37,7 @@ from tidegate.core.outliers import OutlierAction, OutlierConfig, decide_outlier,
 from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
 from tidegate.core.request import Request
 from tidegate.core.routing import PoolSpec, pick_replica, servable_levels
-from tidegate.errors import NotReady, Overloaded, QueueTimeout
+from tidegate.errors import InvalidRequest, NotReady, Overloaded, QueueTimeout
 from tidegate.gateway.replicas import Replica, ReplicaState
 from tidegate.metrics import GatewayMetrics
 
@@ -80,14 +80,29 @@ class ModelDispatcher:
         self.clock = clock
         self.level_names = [spec.name for spec in queue.levels]
         self._tickets: dict[str, Ticket] = {}
+        # A retried request's replica that just failed it: its next pick goes elsewhere
+        # when another replica has a free slot (Envoy's "previous hosts" retry predicate).
+        self._avoid: dict[str, str] = {}
         self._wake = asyncio.Event()
         self._timer_at: float | None = None  # the deadline or aging the owner task sleeps until
         self._choices = itertools.count()
         self.closed: str | None = None  # why new requests are refused, once shutting down
+        self._unservable: frozenset[int] = frozenset()  # levels no pool of it ever takes
+        self._served_names = ""
         # Set by the controller for an autoscaled model: with no replica ready, requests
         # wait in the queue (with their deadlines) while one cold-starts, and on_demand
         # tells the controller there is demand (scale from zero) at once.
         self.on_demand: Callable[[], None] | None = None
+
+    def refuse_unservable(self, served: frozenset[int]) -> None:
+        """Refuse at once the levels that no pool in ``served`` takes, even after aging.
+
+        Why: such a request could only wait until its queue timeout or its client gave up
+        (`tidegate config check` warns about the config); a 400 that names the levels
+        served tells the client what to ask for instead.
+        """
+        self._unservable = frozenset(self.queue.unreachable_levels(served))
+        self._served_names = ", ".join(self.level_names[level] for level in sorted(served))
 
     # ----------------------------------------------------------------- handlers' side
     def saturation(self) -> float:
@@ -98,6 +113,13 @@ class ModelDispatcher:
         """Admit and queue, or raise Overloaded (429) / NotReady (503)."""
         if self.closed is not None:
             raise NotReady(self.closed, code="shutting_down", retry_after_s=1.0)
+        if request.priority in self._unservable:
+            raise InvalidRequest(
+                f"{self.model}: no pool serves priority {self.level_names[request.priority]}, "
+                f"even after aging; it serves: {self._served_names or 'none'}",
+                param="priority",
+                code="priority_not_served",
+            )
         if not any(replica.ready for replica in self.replicas) and not self._coming():
             # Why not queue: nothing is ready and nothing is on its way, so no wait can be
             # promised; the client learns it now, and when a start would be done.
@@ -156,6 +178,7 @@ class ModelDispatcher:
         """The client went away: drop it from the queue, or give back its slot."""
         if self.queue.cancel(ticket.request.id) is not None:
             del self._tickets[ticket.request.id]
+            self._avoid.pop(ticket.request.id, None)
             self._notify()
             return
         assigned = ticket.assigned
@@ -203,12 +226,16 @@ class ModelDispatcher:
             log.info("replica %s answered well after its ejection: back in rotation", replica.id)
 
     def retry(self, ticket: Ticket, failed: Replica) -> Ticket:
-        """Put a request whose replica failed before any byte back in front of its level."""
+        """Put a request whose replica failed before any byte back in front of its level.
+
+        Its next pick avoids ``failed`` while another replica has a free slot for it.
+        """
         failed.in_flight -= 1
         request = dataclasses.replace(ticket.request, attempt=ticket.request.attempt + 1)
         self.queue.requeue(request, self.clock.now())
         again = Ticket(request)
         self._tickets[request.id] = again
+        self._avoid[request.id] = failed.id
         self._dispatch(self.clock.now())
         return again
 
@@ -256,13 +283,25 @@ class ModelDispatcher:
             (request,) = popped
             # Its aged level matters only where its own level has no free slot (core.routing).
             aged = None if request.priority in levels else self.queue.aged_level(request, now)
-            view = pick_replica(
-                views.values(),
-                request.priority,
-                self.pools,
-                aged_level=aged,
-                choice_key=next(self._choices),
-            )
+            avoid = self._avoid.pop(request.id, None)
+            view = None
+            if avoid is not None:  # a retry: another replica if one has a free slot
+                others = [v for v in views.values() if v.id != avoid]
+                view = pick_replica(
+                    others,
+                    request.priority,
+                    self.pools,
+                    aged_level=aged,
+                    choice_key=next(self._choices),
+                )
+            if view is None:
+                view = pick_replica(
+                    views.values(),
+                    request.priority,
+                    self.pools,
+                    aged_level=aged,
+                    choice_key=next(self._choices),
+                )
             assert view is not None  # a servable level has an eligible replica
             replica = by_id[view.id]
             replica.in_flight += 1
@@ -300,6 +339,7 @@ class ModelDispatcher:
     def _fail(self, request: Request, error: Exception) -> None:
         """The waiting handler gets ``error``: it answers and counts the outcome."""
         ticket = self._tickets.pop(request.id, None)
+        self._avoid.pop(request.id, None)
         if ticket is not None and not ticket.assigned.done():
             ticket.assigned.set_exception(error)
         self._notify()

@@ -1,0 +1,48 @@
+"""A request whose replica could not be reached is retried on another one, not the same."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tidegate.core.queue import QueueConfig
+from tidegate.core.request import Request
+from tidegate.core.routing import PoolSpec
+from tidegate.gateway.dispatcher import ModelDispatcher
+from tidegate.gateway.replicas import Replica, ReplicaState
+from tidegate.metrics import GatewayMetrics
+
+POOLS = {"shared": PoolSpec("shared", frozenset({0, 1, 2}))}
+
+
+def _replica(rid: str, slots: int = 4) -> Replica:
+    return Replica(rid, "m", "shared", "upstream", "http://unused", ReplicaState.READY, slots)
+
+
+def _dispatcher(replicas: list[Replica]) -> ModelDispatcher:
+    return ModelDispatcher("m", QueueConfig(), POOLS, replicas, GatewayMetrics(CollectorRegistry()))
+
+
+@pytest.mark.asyncio
+async def test_retry_goes_to_another_replica_even_when_the_failed_one_is_least_loaded() -> None:
+    dead, healthy = _replica("dead"), _replica("healthy")
+    dispatcher = _dispatcher([dead, healthy])
+    healthy.in_flight = 2  # least loaded is the dead one: the old rule sent the retry back there
+    for attempt in range(20):
+        ticket = dispatcher.submit(Request(f"r{attempt}", "m", 1, 0.0))
+        first = ticket.assigned.result()
+        if first is not dead:
+            dispatcher.release(first, completed=True)
+            continue
+        again = dispatcher.retry(ticket, dead)
+        assert again.assigned.result() is healthy
+        dispatcher.release(healthy, completed=True)
+
+
+@pytest.mark.asyncio
+async def test_retry_takes_the_failed_replica_when_it_is_the_only_one() -> None:
+    only = _replica("only")
+    dispatcher = _dispatcher([only])
+    ticket = dispatcher.submit(Request("r", "m", 1, 0.0))
+    assert ticket.assigned.result() is only
+    assert dispatcher.retry(ticket, only).assigned.result() is only
