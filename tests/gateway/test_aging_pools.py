@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from tidegate.core.queue import AgingConfig, QueueConfig
 from tidegate.core.request import Request
 from tidegate.core.routing import PoolSpec
+from tidegate.errors import InvalidRequest
 from tidegate.gateway.dispatcher import ModelDispatcher
 from tidegate.gateway.replicas import Replica, ReplicaState
 from tidegate.metrics import GatewayMetrics
@@ -58,7 +59,7 @@ async def test_medium_request_runs_on_a_high_only_pool_once_aged_woken_by_a_time
         ticket = dispatcher.submit(Request("med", "m", MEDIUM, arrival_at))
         assert not ticket.assigned.done()  # not yet aged: the high-only pool may not take it
         # Nothing else happens from here on: only the dispatcher's aging timer can wake it.
-        replica = await asyncio.wait_for(ticket.assigned, timeout=5.0)
+        replica = await asyncio.wait_for(ticket.assigned, timeout=60.0)
     finally:
         owner.cancel()
         await asyncio.gather(owner, return_exceptions=True)
@@ -103,3 +104,28 @@ async def test_aged_low_request_goes_to_the_free_dedicated_slot_when_shared_is_f
     dispatcher.release(dedicated)
     assert low.assigned.result() is dedicated
     assert shared.in_flight == 1
+
+
+@pytest.mark.parametrize(
+    ("aging", "refused"),
+    [
+        (AgingConfig(threshold_s=30.0, rate_per_s=0.0), True),  # medium can never reach high
+        (AgingConfig(threshold_s=30.0, rate_per_s=0.5), False),  # aged, it runs on dedicated
+    ],
+)
+@pytest.mark.asyncio
+async def test_a_level_no_pool_can_ever_take_is_refused_at_once(
+    aging: AgingConfig, refused: bool
+) -> None:
+    dedicated = _replica("d0", "dedicated")
+    clock = ManualClock()
+    dispatcher = _dispatcher([dedicated], aging, clock)
+    dispatcher.refuse_unservable(frozenset({HIGH}))
+    if not refused:  # admitted: it waits to age into high
+        assert not dispatcher.submit(Request("med", "m", MEDIUM, clock.now())).assigned.done()
+        return
+    with pytest.raises(InvalidRequest) as error:
+        dispatcher.submit(Request("med", "m", MEDIUM, clock.now()))
+    assert error.value.code == "priority_not_served"
+    assert "serves: high" in str(error.value)
+    assert len(dispatcher.queue) == 0

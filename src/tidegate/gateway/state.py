@@ -62,6 +62,8 @@ class Gateway:
                 on_release=self._released,
                 outliers=self.config.gateway.outlier_detection,
             )
+            served = [pools[p].priorities for p in self.config.model(name).pools if p in pools]
+            self.dispatchers[name].refuse_unservable(frozenset().union(*served))
 
     def _released(self) -> None:
         self._changed.set()
