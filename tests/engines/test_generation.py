@@ -297,7 +297,7 @@ async def test_closing_a_stream_early_frees_it(engine: TransformersGenerator) ->
             started.set()
 
     task = asyncio.create_task(consume())
-    await asyncio.wait_for(started.wait(), 10)
+    await asyncio.wait_for(started.wait(), 60)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -349,13 +349,15 @@ async def test_a_dead_manager_fails_running_and_later_sequences(
 
         # The next forward pass fails: fatal for the manager's generation loop.
         monkeypatch.setattr(engine._model, "forward", crash)
-        with pytest.raises(ReplicaFailed, match="simulated device failure"):
-            await asyncio.wait_for(drain(stream), 10)
+        # The sequence fails plainly; the reason goes to the log and the owner, not the client.
+        with pytest.raises(ReplicaFailed, match="failed") as cut:
+            await asyncio.wait_for(drain(stream), 60)
+        assert "simulated device failure" not in str(cut.value)
         with pytest.raises(ReplicaFailed):
             await run(engine, "after", "b", SamplingParams(max_tokens=2))
         assert engine.num_running == 0
         # Its owner is told once, from the reader thread, with the reason.
-        assert await asyncio.to_thread(told.event.wait, 10)
+        assert await asyncio.to_thread(told.event.wait, 60)
         (reason,) = told.reasons
         assert "simulated device failure" in reason
     finally:
@@ -399,7 +401,7 @@ async def test_close_fails_live_sequences_and_leaves_no_thread(cache: Path) -> N
     await anext(stream)
     await asyncio.to_thread(engine.close)
     with pytest.raises(ReplicaFailed, match="closed"):
-        await asyncio.wait_for(drain(stream), 10)
+        await asyncio.wait_for(drain(stream), 60)
     assert non_daemon_threads() <= before
     engine.close()  # idempotent
     with pytest.raises(ReplicaFailed):

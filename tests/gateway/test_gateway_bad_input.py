@@ -58,6 +58,8 @@ CASES = [
     Bad("unknown_priority_name", OK, 400, "priority", {"X-Priority": "urgent"}),
     Bad("priority_index_out_of_range", OK, 400, "priority", {"X-Priority": "7"}),
     Bad("priority_wrong_type", {**OK, "priority": [1]}, 400, "priority"),
+    # "²".isdigit() is True: int() then raised, and its text reached the client.
+    Bad("priority_field_superscript_digit", {**OK, "priority": "²"}, 400, "priority"),
     Bad("invalid_json", "{nope", 400),
     Bad("empty_body", "", 400),
     Bad("body_not_an_object", [1, 2], 400),

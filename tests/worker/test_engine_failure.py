@@ -176,12 +176,13 @@ async def test_a_generation_loop_that_dies_fails_what_it_holds_and_the_worker_fo
             gate.set()
         answers = await asyncio.wait_for(asyncio.gather(streamed, whole, waiting), 60)
 
-        # What ran fails with the engine's reason; what waited gets 502 or 503, never a hang.
+        # What ran fails (the reason in the log, not the answer); what waited gets 502 or
+        # 503, never a hang.
         for response in answers[:2]:
             assert response.status_code == 502, response.text
             error = openai_error(response)
             assert error["type"] == "upstream_error"
-            assert "injected fault" in error["message"]
+            assert "injected fault" not in error["message"]
         assert answers[2].status_code in {502, 503}, answers[2].text
         openai_error(answers[2])
 
@@ -222,7 +223,7 @@ async def test_an_embedding_batch_loop_that_dies_fails_the_worker_for_good(
         assert response.status_code == 503, response.text
         error = openai_error(response)
         assert error["code"] == "engine_failed"
-        assert "injected fault in the batch loop" in error["message"]
+        assert "injected fault" not in error["message"]  # Python's text stays in the log
 
         await eventually(is_set(fatal))
         readyz = await client.get("/readyz")
@@ -258,7 +259,7 @@ def test_a_worker_whose_generation_loop_dies_exits_1_and_says_why(
             )
             rest = list(events)
         assert broken.status_code == 502, broken.text
-        assert "injected fault" in openai_error(broken)["message"]
+        assert "injected fault" not in openai_error(broken)["message"]
         # The stream in flight ends with an error event, then [DONE].
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2].removeprefix("data: "))["error"]["type"] == "upstream_error"

@@ -207,7 +207,9 @@ class TidegateConfig:
         """
         if isinstance(value, bool):
             raise ValueError("priority must be a level name or an integer, not a boolean")
-        if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
+        # ASCII digits only: str.isdigit() also takes "²" and "٣", which int() refuses.
+        digits = isinstance(value, str) and value.strip().isascii() and value.strip().isdigit()
+        if isinstance(value, int) or digits:
             index = int(value)
             if not 0 <= index < len(self.levels):
                 raise ValueError(

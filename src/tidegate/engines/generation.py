@@ -401,7 +401,7 @@ class TransformersGenerator:
         try:
             if self._failure is not None:  # died while this sequence was being set up
                 done = True
-                raise ReplicaFailed(self._failure)
+                raise ReplicaFailed(_loop_failed(self.name))
             added = manager.add_request(
                 list(prompt_ids),
                 request_id=rid,
@@ -424,7 +424,9 @@ class TransformersGenerator:
                 if output.status == RequestStatus.FAILED:
                     if self._closed:
                         raise ReplicaFailed(f"engine {self.name} is closed")
-                    raise ReplicaFailed(f"engine {self.name}: generation failed: {output.error}")
+                    # The engine's own text stays in the log: clients read no Python errors.
+                    log.warning("engine %s: sequence %s failed: %s", self.name, rid, output.error)
+                    raise ReplicaFailed(f"engine {self.name}: generating this sequence failed")
                 tokens = output.generated_tokens
                 made = len(tokens)
                 text, stopped = scanner.feed(text_of.update(tokens, final=done))
@@ -483,11 +485,18 @@ class TransformersGenerator:
                         self._routes.pop(key, None)
 
     def _fail_all(self, reason: str) -> None:
+        """Fail every waiting sequence; ``reason`` is for the log, clients get a plain one."""
+        public = f"engine {self.name} is closed" if self._closed else _loop_failed(self.name)
         with self._lock:
             routes = list(self._routes.values())
         for route in routes:
             with contextlib.suppress(RuntimeError):  # its loop is closed
-                route.loop.call_soon_threadsafe(route.fail, ReplicaFailed(reason))
+                route.loop.call_soon_threadsafe(route.fail, ReplicaFailed(public))
+
+
+def _loop_failed(name: str) -> str:
+    """What a client reads when the loop died; the reason is in the worker's log."""
+    return f"engine {name}: the generation loop failed; this replica is being replaced"
 
 
 def _put_all(items: list[tuple[_Route, Any]]) -> None:

@@ -194,7 +194,7 @@ def _engine_for(worker: Worker, model: str, task: str) -> Engine:
         )
     if worker.phase == "failed":
         raise NotReady(
-            f"model {model}: the engine of this replica failed: {worker.error}",
+            f"model {model}: the engine of this replica failed; it is being replaced",
             code="engine_failed",
             retry_after_s=1.0,
         )
@@ -231,7 +231,7 @@ def _priority(request: Request) -> int:
     value = raw.strip().lower()
     if value in LEVEL_NAMES:
         return LEVEL_NAMES.index(value)
-    if value.isdigit() and int(value) < len(LEVEL_NAMES):
+    if value.isascii() and value.isdigit() and int(value) < len(LEVEL_NAMES):
         return int(value)
     raise InvalidRequest(
         f"X-Tidegate-Priority must be one of {', '.join(LEVEL_NAMES)} or 0..{len(LEVEL_NAMES) - 1}",

@@ -237,7 +237,7 @@ class Worker:
         self.metrics.ready.labels(model).set(0)
         log.error("worker %s: engine failed, serving nothing more: %s", model, reason, exc_info=exc)
         error = NotReady(
-            f"{model}: the engine of this replica failed: {reason}",
+            f"{model}: the engine of this replica failed; it is being replaced",
             code="engine_failed",
             retry_after_s=1.0,
         )

@@ -163,7 +163,8 @@ class EmbeddingBatcher:
             vectors = await self.engine.embed(texts)
         except Exception as exc:  # the engine failed this batch: fail its requests, go on
             log.exception("engine %s failed a batch of %d", self.engine.card.name, len(batch))
-            failure = ReplicaFailed(f"engine {self.engine.card.name}: {exc}")
+            # Why it failed is in the log line above, not in what the client reads.
+            failure = ReplicaFailed(f"engine {self.engine.card.name}: this batch failed")
             for r in batch:
                 self._settle(r.id, exc=failure)
             return
