@@ -172,6 +172,70 @@ REQUEST_OF_PATH: dict[str, type[EndpointRequest]] = {
 }
 
 
+# ----------------------------------------------------------------- upstream models
+# A model served by vLLM, SGLang or TGI (`engine: openai`) takes more of the OpenAI API than
+# tidegate's own engines: several choices, image or audio parts, batched or token-id
+# prompts, tool messages. The gateway checks what it reads itself just as strictly (model,
+# priority, stream, output tokens: the queue's token budget) and leaves the rest to the
+# server, which answers its own 400s.
+MAX_CHOICES = 128  # n
+
+
+class UpstreamContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+    text: str | None = None
+
+
+class UpstreamChatMessage(ChatMessage):
+    role: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]  # type: ignore[assignment]
+    content: (
+        str | Annotated[list[UpstreamContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None
+    ) = None  # type: ignore[assignment]
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text or "" for part in self.content)
+
+
+Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES), BeforeValidator(_integral)]
+
+
+class UpstreamCompletionRequest(CompletionRequest):
+    prompt: (  # type: ignore[assignment]
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
+    )
+    n: Choices = 1
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        # Token ids count as four characters each, as the embeddings' estimate does.
+        return "".join(p if isinstance(p, str) else "    " * _num_ids(p) for p in self.prompt)
+
+
+class UpstreamChatCompletionRequest(ChatCompletionRequest):
+    messages: Annotated[  # type: ignore[assignment]
+        list[UpstreamChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)
+    ]
+    n: Choices = 1
+
+
+def _num_ids(item: int | list[int]) -> int:
+    return len(item) if isinstance(item, list) else 1
+
+
+UPSTREAM_REQUEST_OF_PATH: dict[str, type[EndpointRequest]] = {
+    "/v1/embeddings": EmbeddingsRequest,
+    "/v1/completions": UpstreamCompletionRequest,
+    "/v1/chat/completions": UpstreamChatCompletionRequest,
+}
+
+
 # ----------------------------------------------------------------- responses (for the docs)
 # What a client gets back, described for the OpenAPI document; the worker builds these
 # bodies itself, and an upstream may add fields of its own.

@@ -124,7 +124,14 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
     # Validated once, here, with the worker's own schema: a bad request never waits in the
     # queue, and what reaches a replica is a request it accepts (bar model-specific limits).
     payload = decode_json(raw)
-    parsed = wire.parse(wire.REQUEST_OF_PATH[request.url.path], payload)
+    name = payload.get("model") if isinstance(payload, dict) else None
+    named = gateway.config.models.get(name) if isinstance(name, str) else None
+    schemas = (
+        wire.UPSTREAM_REQUEST_OF_PATH
+        if named is not None and not named.local
+        else wire.REQUEST_OF_PATH
+    )
+    parsed = wire.parse(schemas[request.url.path], payload)
     model = parsed.model
     if model not in gateway.dispatchers:
         raise ModelNotFound(f"model {model!r} does not exist; see /v1/models", param="model")
@@ -322,10 +329,10 @@ def estimate_tokens(body: wire.EndpointRequest) -> int:
             chars += len(item) if isinstance(item, str) else 4 * _num_ids(item)
     elif isinstance(body, wire.CompletionRequest):
         chars = len(body.prompt_text())
-        output = body.max_tokens or 0
+        output = (body.max_tokens or 0) * body.n
     else:
         chars = sum(len(message.text()) for message in body.messages)
-        output = body.output_limit() or 0
+        output = (body.output_limit() or 0) * body.n
     return chars // 4 + output + 1
 
 
