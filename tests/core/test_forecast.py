@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidegate.core.forecast import (
@@ -48,6 +48,7 @@ def test_an_hour_keeps_its_highest_count() -> None:
 
 
 @given(st.lists(st.tuples(st.integers(0, 400), st.integers(0, 50)), max_size=60))
+@settings(deadline=None)  # a busy machine makes an example slow, never wrong
 def test_history_is_bounded_and_the_floor_is_a_count_that_was_seen(
     samples: list[tuple[int, int]],
 ) -> None:

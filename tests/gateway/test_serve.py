@@ -16,13 +16,15 @@ import openai
 import pytest
 import yaml
 
-from tests.procs import Proc, gateway_process, wait_for
+from tests.procs import DEADLINE_S, Proc, gateway_process, wait_for
 
 KEY = "sk-test-interactive"
 BATCH_KEY = "sk-test-batch"
 
 
 def client(proc: Proc, key: str = "unused") -> openai.OpenAI:
+    """Use it in a ``with`` block: it closes its connections there (an unclosed socket is a
+    ResourceWarning, an error in this suite)."""
     return openai.OpenAI(base_url=f"{proc.url}/v1", api_key=key, max_retries=0)
 
 
@@ -36,39 +38,43 @@ def embedded() -> Iterator[Proc]:
 def test_embedded_default_serves_embeddings_completions_chat_and_streams(
     embedded: Proc,
 ) -> None:
-    c = client(embedded)
-    assert {m.id for m in c.models.list().data} == {"minilm", "tiny-llama"}
-    vectors = c.embeddings.create(model="minilm", input=["tide", "gate"]).data
-    assert len(vectors) == 2
-    assert len(vectors[0].embedding) == 384
-    completion = c.completions.create(
-        model="tiny-llama", prompt="Hi", max_tokens=5, temperature=0.0
-    )
-    assert completion.usage.completion_tokens <= 5
-    chat = c.chat.completions.with_raw_response.create(
-        model="tiny-llama",
-        messages=[{"role": "user", "content": "Hi"}],
-        max_tokens=5,
-        extra_headers={"X-Priority": "high"},
-    )
-    assert chat.headers["x-request-id"].startswith("req-")
-    assert float(chat.headers["x-tidegate-queue-ms"]) >= 0
-    assert chat.parse().choices[0].message.role == "assistant"
-    stream = c.chat.completions.create(
-        model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, stream=True
-    )
-    finishes = [choice.finish_reason for chunk in stream for choice in chunk.choices]
-    assert finishes[-1] in {"stop", "length"}
+    with client(embedded) as c:
+        assert {m.id for m in c.models.list().data} == {"minilm", "tiny-llama"}
+        vectors = c.embeddings.create(model="minilm", input=["tide", "gate"]).data
+        assert len(vectors) == 2
+        assert len(vectors[0].embedding) == 384
+        completion = c.completions.create(
+            model="tiny-llama", prompt="Hi", max_tokens=5, temperature=0.0
+        )
+        assert completion.usage.completion_tokens <= 5
+        chat = c.chat.completions.with_raw_response.create(
+            model="tiny-llama",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            extra_headers={"X-Priority": "high"},
+        )
+        assert chat.headers["x-request-id"].startswith("req-")
+        assert float(chat.headers["x-tidegate-queue-ms"]) >= 0
+        assert chat.parse().choices[0].message.role == "assistant"
+        stream = c.chat.completions.create(
+            model="tiny-llama",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            stream=True,
+        )
+        finishes = [choice.finish_reason for chunk in stream for choice in chunk.choices]
+        assert finishes[-1] in {"stop", "length"}
 
 
 def test_unknown_model_is_404(embedded: Proc) -> None:
-    with pytest.raises(openai.NotFoundError):
-        client(embedded).embeddings.create(model="gpt-17", input="x")
+    with client(embedded) as c, pytest.raises(openai.NotFoundError):
+        c.embeddings.create(model="gpt-17", input="x")
 
 
 def test_metrics_expose_queue_outcomes_and_the_autoscaling_signal(embedded: Proc) -> None:
-    client(embedded).embeddings.create(model="minilm", input="count me")
-    text = httpx.get(f"{embedded.url}/metrics").text
+    with client(embedded) as c:
+        c.embeddings.create(model="minilm", input="count me")
+    text = httpx.get(f"{embedded.url}/metrics", timeout=DEADLINE_S).text
     for name in (
         "tidegate_queue_depth{",
         "tidegate_inflight{",
@@ -130,17 +136,18 @@ def test_keys_cap_priorities(tmp_path: Path) -> None:
             "max_priority": "medium",
         },
     ]
-    with gateway_process("--config", str(_sim_config(tmp_path, keys=keys))) as gateway:
-        assert len(client(gateway, KEY).embeddings.create(model="sim", input="x").data) == 1
+    with (
+        gateway_process("--config", str(_sim_config(tmp_path, keys=keys))) as gateway,
+        client(gateway, KEY) as app,
+        client(gateway, "sk-wrong") as wrong,
+        client(gateway, BATCH_KEY) as batch,
+    ):
+        assert len(app.embeddings.create(model="sim", input="x").data) == 1
         with pytest.raises(openai.AuthenticationError):
-            client(gateway, "sk-wrong").embeddings.create(model="sim", input="x")
+            wrong.embeddings.create(model="sim", input="x")
         with pytest.raises(openai.PermissionDeniedError):
-            client(gateway, BATCH_KEY).embeddings.create(
-                model="sim", input="x", extra_headers={"X-Priority": "high"}
-            )
-        medium = client(gateway, BATCH_KEY).embeddings.create(
-            model="sim", input="x", extra_body={"priority": "medium"}
-        )
+            batch.embeddings.create(model="sim", input="x", extra_headers={"X-Priority": "high"})
+        medium = batch.embeddings.create(model="sim", input="x", extra_body={"priority": "medium"})
         assert len(medium.data) == 1
 
 
@@ -151,7 +158,7 @@ def test_killed_worker_under_load_loses_no_request_and_is_replaced(tmp_path: Pat
         stop = threading.Event()
 
         def load() -> None:
-            with httpx.Client(timeout=30) as http:
+            with httpx.Client(timeout=DEADLINE_S) as http:
                 while not stop.is_set():
                     response = http.post(
                         f"{gateway.url}/v1/embeddings", json={"model": "sim", "input": "load"}
@@ -163,16 +170,15 @@ def test_killed_worker_under_load_loses_no_request_and_is_replaced(tmp_path: Pat
         for thread in threads:
             thread.start()
         wait_for(lambda: len(statuses) > 50)
-        replicas = httpx.get(f"{gateway.url}/admin/replicas").json()["sim"]["replicas"]
-        victim = replicas[0]
+        victim = _replicas(gateway)[0]
         os.killpg(victim["pid"], signal.SIGKILL)
-        wait_for(lambda: _replica(gateway, victim["id"])["restarts"] == 1, timeout_s=30)
-        wait_for(lambda: _replica(gateway, victim["id"])["state"] == "ready", timeout_s=30)
+        wait_for(lambda: _replica(gateway, victim["id"])["restarts"] == 1)
+        wait_for(lambda: _replica(gateway, victim["id"])["state"] == "ready")
         served_before = len(statuses)
-        wait_for(lambda: len(statuses) > served_before + 50, timeout_s=20)
+        wait_for(lambda: len(statuses) > served_before + 50)
         stop.set()
         for thread in threads:
-            thread.join(timeout=30)
+            thread.join(timeout=DEADLINE_S)
             assert not thread.is_alive(), "a request hung"
     # Every request got an answer: its result, or 502 for one cut off on the dead worker.
     assert set(statuses) <= {200, 502}, set(statuses)
@@ -180,13 +186,12 @@ def test_killed_worker_under_load_loses_no_request_and_is_replaced(tmp_path: Pat
 
 
 def _replica(gateway: Proc, rid: str) -> dict[str, object]:
-    replicas = httpx.get(f"{gateway.url}/admin/replicas").json()["sim"]["replicas"]
-    return next(r for r in replicas if r["id"] == rid)
+    return next(r for r in _replicas(gateway) if r["id"] == rid)
 
 
 def test_sigterm_drains_in_flight_work_then_stops_workers(tmp_path: Path) -> None:
     with gateway_process("--config", str(_sim_config(tmp_path, 300.0))) as gateway:
-        wait_for(lambda: all(r["state"] == "ready" for r in _replicas(gateway)), timeout_s=30)
+        wait_for(lambda: all(r["state"] == "ready" for r in _replicas(gateway)))
         pids = [r["pid"] for r in _replicas(gateway)]
         results: list[int | str] = []
 
@@ -195,7 +200,7 @@ def test_sigterm_drains_in_flight_work_then_stops_workers(tmp_path: Path) -> Non
                 response = httpx.post(
                     f"{gateway.url}/v1/embeddings",
                     json={"model": "sim", "input": ["x"] * 8},
-                    timeout=30,
+                    timeout=DEADLINE_S,
                 )
                 results.append(response.status_code)
             except httpx.TransportError:
@@ -204,27 +209,31 @@ def test_sigterm_drains_in_flight_work_then_stops_workers(tmp_path: Path) -> Non
         threads = [threading.Thread(target=one) for _ in range(40)]
         for thread in threads:
             thread.start()
-        wait_for(lambda: _pending(gateway) >= 4, timeout_s=10)
+        wait_for(lambda: _pending(gateway) >= 4)
         pending_at_signal = _pending(gateway)
         gateway.process.send_signal(signal.SIGTERM)
         for thread in threads:
-            thread.join(timeout=30)
+            thread.join(timeout=DEADLINE_S)
             assert not thread.is_alive(), "a request hung"
-        assert gateway.process.wait(timeout=30) == 0
+        assert gateway.process.wait(timeout=DEADLINE_S) == 0
     # Admitted before the signal: served. Arrived after it: 503 shutting_down, or refused
     # once the socket closed.
     assert set(results) <= {200, 503, "refused"}, results
     assert results.count(200) >= pending_at_signal - 1  # at most one read raced the signal
     for pid in pids:
-        wait_for(lambda p=pid: not _alive(p), timeout_s=10)
+        wait_for(lambda p=pid: not _alive(p))
 
 
 def _replicas(gateway: Proc) -> list[dict[str, Any]]:
-    return httpx.get(f"{gateway.url}/admin/replicas").json()["sim"]["replicas"]  # type: ignore[no-any-return]
+    return _sim(gateway)["replicas"]  # type: ignore[no-any-return]
+
+
+def _sim(gateway: Proc) -> dict[str, Any]:
+    return httpx.get(f"{gateway.url}/admin/replicas", timeout=DEADLINE_S).json()["sim"]  # type: ignore[no-any-return]
 
 
 def _pending(gateway: Proc) -> int:
-    state = httpx.get(f"{gateway.url}/admin/replicas").json()["sim"]
+    state = _sim(gateway)
     return int(state["queued"]) + sum(r["in_flight"] for r in state["replicas"])
 
 

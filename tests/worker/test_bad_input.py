@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.procs import DEADLINE_S
 from tidegate.worker.app import create_app
 from tidegate.worker.runtime import WorkerSettings
 
@@ -18,10 +19,10 @@ from tidegate.worker.runtime import WorkerSettings
 def _client(model: str, task: str) -> Iterator[TestClient]:
     app = create_app(WorkerSettings(model=model, engine="simulated", task=task))
     with TestClient(app) as client:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + DEADLINE_S
         while client.get("/readyz").status_code != 200:
             assert time.monotonic() < deadline, "simulated worker never became ready"
-            time.sleep(0.01)
+            time.sleep(0.05)
         yield client
 
 
