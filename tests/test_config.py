@@ -71,7 +71,7 @@ def test_embedded_default_values() -> None:
     assert config.pool_specs() == {"shared": PoolSpec("shared", frozenset({0, 1, 2}))}
     assert [(m.name, m.task, m.engine) for m in config.models.values()] == [
         ("minilm", "embeddings", "transformers"),
-        ("tiny-llama", "generate", "transformers"),
+        ("smollm2", "generate", "transformers"),
     ]
     for model in config.models.values():
         assert dict(model.replicas) == {"shared": 1}
@@ -941,7 +941,7 @@ def test_parse_priority_refuses(value: str | int) -> None:
 
 
 def test_unknown_model_lookup() -> None:
-    with pytest.raises(KeyError, match="minilm, tiny-llama"):
+    with pytest.raises(KeyError, match="minilm, smollm2"):
         load_config(None).queue_config("gpt")
 
 

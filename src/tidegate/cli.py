@@ -61,9 +61,11 @@ class TaskKind(StrEnum):
 
 @app.command()
 def worker(
-    model: Annotated[str, typer.Option(help="minilm, tiny-llama, or a name with --model-path.")],
+    model: Annotated[
+        str, typer.Option(help="minilm, smollm2, tiny-llama, or a name with --model-path.")
+    ],
     model_path: Annotated[
-        Path | None, typer.Option(help="Local Hugging Face model folder.")
+        Path | None, typer.Option(help="Local Hugging Face model folder or .gguf file.")
     ] = None,
     engine: Annotated[
         EngineKind, typer.Option(help="Engine that runs it.")
@@ -185,10 +187,11 @@ def serve(
 @app.command()
 def profile(
     model: Annotated[
-        str, typer.Option(help="minilm, tiny-llama, a name with --model-path, or as at --url.")
+        str,
+        typer.Option(help="minilm, smollm2, tiny-llama, a name with --model-path, or as at --url."),
     ],
     model_path: Annotated[
-        Path | None, typer.Option(help="Local Hugging Face model folder.")
+        Path | None, typer.Option(help="Local Hugging Face model folder or .gguf file.")
     ] = None,
     url: Annotated[
         str | None,

@@ -171,9 +171,15 @@ def test_card_bounds_requests_by_the_kv_cache(engine: TransformersGenerator) -> 
     assert "SYNTHETIC" in card.description
     assert 0 < card.max_output_tokens < card.max_context_tokens
     assert engine.sizing is not None
-    # One request can never outgrow the cache (that would kill the manager), and the
-    # cache holds max_num_seqs full-length sequences at once.
-    assert engine.sizing.capacity_tokens >= engine.max_num_seqs * card.max_context_tokens
+    # One request can never outgrow the cache (that would kill the manager); the card
+    # tells the worker the cache's size, so that it starts only sequences that fit.
+    assert engine.sizing.capacity_tokens >= card.max_context_tokens
+    assert engine.sizing.capacity_tokens >= engine.max_num_seqs * min(512, card.max_context_tokens)
+    assert (card.max_cached_tokens, card.cache_page_tokens) == (
+        engine.sizing.capacity_tokens,
+        engine.sizing.page_size,
+    )
+    assert not card.per_request_seed  # one generator for the whole batch
     memory = engine.memory()
     assert memory.device == "cpu"
     assert 100_000 < memory.weights_bytes < 10_000_000
@@ -184,6 +190,22 @@ def test_cache_sizing_rounds_up_to_whole_pages() -> None:
     sizing = cache_sizing(max_num_seqs=3, context_tokens=100, page_size=32)
     assert sizing.num_blocks == 3 * 4
     assert sizing.capacity_tokens >= 300
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "context_tokens", "num_blocks"),
+    [
+        (16, 8192, 256),  # smollm2: 16 typical sequences of 512 tokens = one full context
+        (32, 8192, 512),  # more sequences: more typical ones
+        (2, 8192, 256),  # few sequences: still one full context
+        (16, 1024, 256),  # tiny-llama
+    ],
+)
+def test_cache_sizing_holds_one_full_context_and_typical_sequences(
+    max_num_seqs: int, context_tokens: int, num_blocks: int
+) -> None:
+    sizing = cache_sizing(max_num_seqs, context_tokens, page_size=32, typical_seq_tokens=512)
+    assert sizing.num_blocks == num_blocks
 
 
 def test_chat_prompts_use_the_template_or_a_plain_join(

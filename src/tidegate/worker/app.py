@@ -35,6 +35,7 @@ from tidegate.asgi import (
     unless_disconnected,
 )
 from tidegate.engines.base import (
+    GREEDY_BELOW,
     EmbeddingEngine,
     Engine,
     GenerationEngine,
@@ -280,6 +281,16 @@ def _sampling(
             f"({prompt_tokens} prompt tokens, context {card.max_context_tokens}, "
             f"output at most {card.max_output_tokens})",
             param="max_tokens",
+        )
+    if body.seed is not None and body.temperature >= GREEDY_BELOW and not card.per_request_seed:
+        # Accepting it would promise reproducible text that this engine cannot give.
+        raise InvalidRequest(
+            f"{card.name} cannot honour seed when sampling (temperature > 0): its engine "
+            "samples all running sequences from one shared random generator, so a "
+            "sequence's draws depend on the others in the batch; send temperature 0 "
+            "(greedy decoding is deterministic) or leave seed out",
+            param="seed",
+            code="seed_not_supported",
         )
     return SamplingParams(
         max_tokens=wanted,

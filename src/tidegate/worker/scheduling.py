@@ -4,9 +4,13 @@
   one queue entry; one owner task asks core ``plan_batch`` when to release a batch, pops it
   in priority order and runs it on the engine, one batch at a time.
 - ``SequenceScheduler`` (continuous batching, iteration level): a sequence waits in the
-  queue until one of ``max_num_seqs`` slots is free, then joins the engine's running batch;
-  a finished or cancelled sequence frees its slot at once and the most urgent waiting one
-  takes it. Both are event-driven: they wake on an arrival, a slot freed or a window's end.
+  queue until one of ``max_num_seqs`` slots is free and the engine's KV cache has room for
+  its prompt + ``max_tokens`` (whole pages, ``ModelCard.max_cached_tokens``), then joins the
+  engine's running batch; a finished or cancelled sequence frees its slot and its pages at
+  once and the most urgent waiting one takes them. The most urgent sequence is never
+  overtaken by a smaller one that would fit: it waits for room (a sequence always fits an
+  empty cache). Both are event-driven: they wake on an arrival, a slot freed or a window's
+  end.
 
 ``fail(error)`` is for an engine that died: every request still waiting (and, for
 embeddings, every input of the batch that was running) is answered with ``error``, and
@@ -161,7 +165,7 @@ class EmbeddingBatcher:
         started = self.clock.now()
         try:
             vectors = await self.engine.embed(texts)
-        except Exception as exc:  # the engine failed this batch: fail its requests, go on
+        except Exception:  # the engine failed this batch: fail its requests, go on
             log.exception("engine %s failed a batch of %d", self.engine.card.name, len(batch))
             # Why it failed is in the log line above, not in what the client reads.
             failure = ReplicaFailed(f"engine {self.engine.card.name}: this batch failed")
@@ -206,6 +210,7 @@ class SequenceScheduler:
         self.clock = clock
         self.throughput = Throughput()
         self.num_running = 0
+        self.cached_tokens = 0  # KV cache tokens reserved by running sequences, whole pages
         self._granted: dict[str, asyncio.Future[None]] = {}
         self.failure: BaseException | None = None  # set by fail(): the engine is gone
 
@@ -241,7 +246,10 @@ class SequenceScheduler:
             self._granted.pop(seq_id, None)
             self.queue.cancel(seq_id)
             if granted.done() and not granted.cancelled() and granted.exception() is None:
-                self._release_slot()  # the slot was granted just as this request went away
+                # the slot was granted just as this request went away
+                self._release_slot(self._cache_cost(request))
+            else:
+                self._fill_slots()  # it may have been the head that waited for cache room
             raise
         made = 0
         try:
@@ -251,7 +259,7 @@ class SequenceScheduler:
         finally:
             self.throughput.record(self.clock.now(), made)
             self.queue.drain.record(self.clock.now())
-            self._release_slot()
+            self._release_slot(self._cache_cost(request))
 
     def drain(self, error: BaseException) -> int:
         """Answer every sequence still waiting for a slot with ``error``; returns how many."""
@@ -270,16 +278,32 @@ class SequenceScheduler:
         self.failure = error
         self.drain(error)
 
-    def _release_slot(self) -> None:
+    def _cache_cost(self, request: Request) -> int:
+        """KV cache tokens a sequence may hold: its prompt + max_tokens, in whole pages."""
+        page = max(1, self.engine.card.cache_page_tokens)
+        return -(-request.cost_tokens // page) * page
+
+    def _fits(self, request: Request) -> bool:
+        capacity = self.engine.card.max_cached_tokens
+        if capacity <= 0 or self.num_running == 0:
+            return True  # an unbounded cache; or an empty one, which any sequence fits
+        return self.cached_tokens + self._cache_cost(request) <= capacity
+
+    def _release_slot(self, cost_tokens: int) -> None:
         self.num_running -= 1
+        self.cached_tokens -= cost_tokens
         self._fill_slots()
 
     def _fill_slots(self) -> None:
-        """Start the most urgent waiting sequences while slots are free."""
+        """Start the most urgent waiting sequences while slots and cache room are free."""
         now = self.clock.now()
         while self.num_running < self.max_num_seqs and len(self.queue):
+            (head,) = self.queue.peek(1, now)
+            if not self._fits(head):
+                break  # it waits for room: a smaller, less urgent one must not overtake it
             (request,) = self.queue.pop(1, now)
             granted = self._granted.pop(request.id)
             self.num_running += 1
+            self.cached_tokens += self._cache_cost(request)
             self.metrics.batch_size.labels(self.engine.card.name).observe(self.num_running)
             granted.set_result(None)
