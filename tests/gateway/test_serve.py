@@ -29,8 +29,8 @@ def client(proc: Proc, key: str = "unused") -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def embedded() -> Iterator[Proc]:
-    """The embedded default: minilm and tiny-llama, one local worker each."""
+def embedded(smollm2_folder: Path) -> Iterator[Proc]:
+    """The embedded default: minilm and smollm2, one local worker each."""
     with gateway_process() as proc:
         yield proc
 
@@ -39,25 +39,28 @@ def test_embedded_default_serves_embeddings_completions_chat_and_streams(
     embedded: Proc,
 ) -> None:
     with client(embedded) as c:
-        assert {m.id for m in c.models.list().data} == {"minilm", "tiny-llama"}
+        assert {m.id for m in c.models.list().data} == {"minilm", "smollm2"}
         vectors = c.embeddings.create(model="minilm", input=["tide", "gate"]).data
         assert len(vectors) == 2
         assert len(vectors[0].embedding) == 384
         completion = c.completions.create(
-            model="tiny-llama", prompt="Hi", max_tokens=5, temperature=0.0
+            model="smollm2", prompt="Hi", max_tokens=5, temperature=0.0
         )
         assert completion.usage.completion_tokens <= 5
         chat = c.chat.completions.with_raw_response.create(
-            model="tiny-llama",
-            messages=[{"role": "user", "content": "Hi"}],
-            max_tokens=5,
+            model="smollm2",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=8,
+            temperature=0,
             extra_headers={"X-Priority": "high"},
         )
         assert chat.headers["x-request-id"].startswith("req-")
         assert float(chat.headers["x-tidegate-queue-ms"]) >= 0
-        assert chat.parse().choices[0].message.role == "assistant"
+        message = chat.parse().choices[0].message
+        assert message.role == "assistant"
+        assert "Paris" in (message.content or "")  # the README's first chat is a real answer
         stream = c.chat.completions.create(
-            model="tiny-llama",
+            model="smollm2",
             messages=[{"role": "user", "content": "Hi"}],
             max_tokens=5,
             stream=True,
