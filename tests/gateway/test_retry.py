@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry
 
+from tests.gateway.harness import flat_profile, gateway_client, sim_config, sim_worker
 from tidegate.core.queue import QueueConfig
 from tidegate.core.request import Request
 from tidegate.core.routing import PoolSpec
@@ -46,3 +49,24 @@ async def test_retry_takes_the_failed_replica_when_it_is_the_only_one() -> None:
     ticket = dispatcher.submit(Request("r", "m", 1, 0.0))
     assert ticket.assigned.result() is only
     assert dispatcher.retry(ticket, only).assigned.result() is only
+
+
+@pytest.mark.asyncio
+async def test_a_replica_gone_before_the_send_is_retried_elsewhere_and_not_held_against_it(
+    tmp_path: Path,
+) -> None:
+    # A worker that died between its slot being given and the request being sent: its
+    # orchestrator has cleared the URL. The old path sent to "None/v1/embeddings", and
+    # counted the failure toward ejecting a replica that was only restarting.
+    profile = flat_profile(tmp_path / "flat.json", 1.0)
+    with sim_worker(profile) as worker:
+        data = sim_config(worker.url)
+        async with gateway_client(data, [worker.url, worker.url], 1) as (client, gateway):
+            gone, alive = gateway.replicas["sim"]
+            gone.url = None  # READY a moment longer: as seen by a handler that just woke
+            alive.in_flight = 0
+            for _ in range(4):
+                response = await client.post("/v1/embeddings", json={"model": "sim", "input": "x"})
+                assert response.status_code == 200, response.text
+            assert gone.outlier.consecutive_failures == 0
+            assert gone.in_flight == 0

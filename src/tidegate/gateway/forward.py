@@ -41,7 +41,7 @@ from tidegate.errors import (
 )
 from tidegate.gateway.auth import authenticate, requested_level
 from tidegate.gateway.dispatcher import ModelDispatcher, Ticket
-from tidegate.gateway.proxy import ConnectFailed, Forwarded, forward
+from tidegate.gateway.proxy import ConnectFailed, Forwarded, ReplicaGone, forward
 from tidegate.gateway.replicas import Replica
 from tidegate.gateway.state import Gateway
 
@@ -168,7 +168,8 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
         try:
             forwarded = await _send(gateway, replica, request, body, headers, stream, call)
         except ConnectFailed as exc:
-            dispatcher.record_answer(replica, ok=False)
+            if not isinstance(exc, ReplicaGone):
+                dispatcher.record_answer(replica, ok=False)
             connect_failures += 1
             if connect_failures > 1:
                 dispatcher.release(replica, completed=False)
@@ -242,6 +243,8 @@ async def _send(
     call: _Call,
 ) -> Forwarded:
     assert gateway.client is not None
+    if replica.url is None or not replica.ready:  # it died while this handler woke up
+        raise ReplicaGone(f"replica {replica.id} stopped before the request was sent")
     url = f"{replica.url}{request.url.path}"
     observe = gateway.metrics.request_duration.labels(call.model, call.priority, "ttft").observe
     work = forward(

@@ -39,6 +39,14 @@ class ConnectFailed(Exception):
     """Nothing reached the replica: the request may safely go to another one."""
 
 
+class ReplicaGone(ConnectFailed):
+    """The replica stopped between its slot being given and the request being sent.
+
+    Not a failure of the replica's answers (outlier detection does not count it): its
+    orchestrator already knows, and restarts or removes it.
+    """
+
+
 @dataclass
 class Forwarded:
     status: int
