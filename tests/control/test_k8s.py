@@ -848,8 +848,9 @@ def test_drain_hook_lets_a_running_batch_finish(tmp_path: Path) -> None:
     profile = tmp_path / "slow.json"
     profile.write_text(
         '{"version": 1, "task": "embeddings", "embeddings": {"points": '
-        '[{"batch_size": 1, "latency_ms": 300}, {"batch_size": 8, "latency_ms": 300}]}}'
+        '[{"batch_size": 1, "latency_ms": 3000}, {"batch_size": 8, "latency_ms": 3000}]}}'
     )
+    # 3 s batches: a poll of /stats on a loaded machine must still see the batch running.
     with worker_process(
         "--model",
         "sim",

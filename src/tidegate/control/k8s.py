@@ -193,7 +193,10 @@ def drain_worker(
     Never fails: the pod stops after the hook either way. Returns what happened.
     """
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(base_url=url, timeout=2.0, transport=transport) as client:
+    # Each call may take the whole budget: on a busy node a local answer can take seconds,
+    # and "did not answer" would stop the pod with its batch still running.
+    per_call_s = max(1.0, timeout_s)
+    with httpx.Client(base_url=url, timeout=per_call_s, transport=transport) as client:
         try:
             answer = client.post("/admin/drain")
             returned = answer.json().get("returned", 0) if answer.status_code == 200 else 0
