@@ -5,8 +5,6 @@ Raw sockets against a real gateway on port 0, with short read limits in its conf
 
 from __future__ import annotations
 
-import json
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,6 +16,7 @@ import yaml
 
 from tests.gateway.harness import flat_profile
 from tests.procs import DEADLINE_S, TIDEGATE, Proc, child_env, gateway_process
+from tests.rawhttp import connect, error_of, read_until_closed
 
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0
@@ -51,26 +50,6 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
         yield proc
 
 
-def _connect(proc: Proc) -> socket.socket:
-    host, port = proc.url.removeprefix("http://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=DEADLINE_S)
-
-
-def _read_until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (bounded by the socket's
-    timeout: a server that never closes fails the test)."""
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
-
-
-def _error_of(response: bytes) -> tuple[int, dict[str, object]]:
-    head, _, body = response.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    return status, json.loads(body)["error"]
-
-
 def _headers(content_length: int | None = None, chunked: bool = False) -> bytes:
     lines = [b"POST /v1/embeddings HTTP/1.1", b"Host: gateway", b"Content-Type: application/json"]
     if content_length is not None:
@@ -81,22 +60,22 @@ def _headers(content_length: int | None = None, chunked: bool = False) -> bytes:
 
 
 def test_slowloris_headers_are_cut_off_at_the_header_timeout(gateway: Proc) -> None:
-    with _connect(gateway) as sock:
+    with connect(gateway.url) as sock:
         started = time.monotonic()
         sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: gateway\r\n")
         sock.sendall(b"X-Slow: a")  # headers never end: one more byte buys no time
-        response = _read_until_closed(sock)
+        response = read_until_closed(sock)
         took_s = time.monotonic() - started
     assert HEADER_TIMEOUT_S - 0.1 <= took_s < HEADER_TIMEOUT_S + LATE_S, took_s
-    status, error = _error_of(response)
+    status, error = error_of(response)
     assert status == 408
     assert error["code"] == "request_timeout"
 
 
 def test_a_connection_that_sends_nothing_is_closed_at_the_header_timeout(gateway: Proc) -> None:
-    with _connect(gateway) as sock:
+    with connect(gateway.url) as sock:
         started = time.monotonic()
-        _read_until_closed(sock)
+        read_until_closed(sock)
         took_s = time.monotonic() - started
     assert HEADER_TIMEOUT_S - 0.1 <= took_s < HEADER_TIMEOUT_S + LATE_S, took_s
 
@@ -104,24 +83,24 @@ def test_a_connection_that_sends_nothing_is_closed_at_the_header_timeout(gateway
 def test_a_body_shorter_than_its_content_length_is_cut_off_at_the_body_timeout(
     gateway: Proc,
 ) -> None:
-    with _connect(gateway) as sock:
+    with connect(gateway.url) as sock:
         sock.sendall(_headers(content_length=1000))
         started = time.monotonic()
         sock.sendall(b'{"model": "sim", ')  # and nothing more
-        response = _read_until_closed(sock)
+        response = read_until_closed(sock)
         took_s = time.monotonic() - started
     assert BODY_TIMEOUT_S - 0.1 <= took_s < BODY_TIMEOUT_S + LATE_S, took_s
-    status, error = _error_of(response)
+    status, error = error_of(response)
     assert status == 408
     assert error["code"] == "request_timeout"
     assert error["type"] == "invalid_request_error"
 
 
 def test_a_50_mb_content_length_is_refused_before_the_body_is_sent(gateway: Proc) -> None:
-    with _connect(gateway) as sock:
+    with connect(gateway.url) as sock:
         sock.sendall(_headers(content_length=50 * 1024 * 1024))  # headers only
-        response = _read_until_closed(sock)
-    status, error = _error_of(response)
+        response = read_until_closed(sock)
+    status, error = error_of(response)
     assert status == 413
     assert error["code"] == "request_too_large"
     assert str(MAX_REQUEST_BYTES) in str(error["message"])
@@ -129,20 +108,20 @@ def test_a_50_mb_content_length_is_refused_before_the_body_is_sent(gateway: Proc
 
 def test_a_chunked_body_is_cut_at_the_limit_while_it_is_read(gateway: Proc) -> None:
     chunk = b"x" * 16384
-    with _connect(gateway) as sock:
+    with connect(gateway.url) as sock:
         sock.sendall(_headers(chunked=True))
         for _ in range(MAX_REQUEST_BYTES // len(chunk) + 1):  # over the limit, never ended
             sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-        response = _read_until_closed(sock)
-    status, error = _error_of(response)
+        response = read_until_closed(sock)
+    status, error = error_of(response)
     assert status == 413
     assert error["code"] == "request_too_large"
 
 
 def test_refusals_are_counted_and_the_gateway_keeps_serving(gateway: Proc) -> None:
-    with _connect(gateway) as sock:
+    with connect(gateway.url) as sock:
         sock.sendall(_headers(content_length=MAX_REQUEST_BYTES + 1))
-        assert _error_of(_read_until_closed(sock))[0] == 413
+        assert error_of(read_until_closed(sock))[0] == 413
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=DEADLINE_S).text
     assert 'tidegate_requests_total{model="-",outcome="invalid",priority="none"}' in metrics
     ok = httpx.post(

@@ -8,7 +8,6 @@ own limits.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import threading
 import time
@@ -18,6 +17,7 @@ import pytest
 import uvicorn
 
 from tests.procs import DEADLINE_S, TIDEGATE, Proc, child_env, wait_for, worker_process
+from tests.rawhttp import connect, error_of, read_until_closed
 from tidegate.worker.app import create_app
 from tidegate.worker.runtime import WorkerSettings
 from tidegate.worker.server import (
@@ -47,23 +47,6 @@ def server() -> Iterator[str]:
     thread.join(DEADLINE_S)
 
 
-def _connect(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=DEADLINE_S)
-
-
-def _read_until_closed(sock: socket.socket) -> bytes:
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    return data
-
-
-def _error_of(response: bytes) -> tuple[int, dict[str, object]]:
-    head, _, body = response.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), json.loads(body)["error"]
-
-
 def _post_head(content_length: int) -> bytes:
     return (
         b"POST /v1/embeddings HTTP/1.1\r\nHost: worker\r\nContent-Type: application/json\r\n"
@@ -72,45 +55,45 @@ def _post_head(content_length: int) -> bytes:
 
 
 def test_slow_headers_get_408_at_the_header_timeout(server: str) -> None:
-    with _connect(server) as sock:
+    with connect(server) as sock:
         started = time.monotonic()
         sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: wor")
-        response = _read_until_closed(sock)
+        response = read_until_closed(sock)
         took_s = time.monotonic() - started
     assert LIMITS.header_timeout_s - 0.1 <= took_s < LIMITS.header_timeout_s + LATE_S
-    status, error = _error_of(response)
+    status, error = error_of(response)
     assert (status, error["code"]) == (408, "request_timeout")
 
 
 def test_a_short_body_gets_408_at_the_body_timeout(server: str) -> None:
-    with _connect(server) as sock:
+    with connect(server) as sock:
         sock.sendall(_post_head(100) + b'{"model": "emb"')
         started = time.monotonic()
-        response = _read_until_closed(sock)
+        response = read_until_closed(sock)
         took_s = time.monotonic() - started
     assert took_s < LIMITS.body_timeout_s + LATE_S
-    status, error = _error_of(response)
+    status, error = error_of(response)
     assert (status, error["code"]) == (408, "request_timeout")
 
 
 def test_a_body_over_the_limit_is_refused_by_its_content_length(server: str) -> None:
-    with _connect(server) as sock:
+    with connect(server) as sock:
         sock.sendall(_post_head(LIMITS.max_request_bytes + 1))
-        status, error = _error_of(_read_until_closed(sock))
+        status, error = error_of(read_until_closed(sock))
     assert (status, error["code"]) == (413, "request_too_large")
 
 
 def test_a_request_within_the_limits_is_served(server: str) -> None:
     body = json.dumps({"model": "emb", "input": "tide"}).encode()
     wait_for(lambda: _status(server, b"GET /readyz HTTP/1.1\r\nHost: w\r\n\r\n") == 200)
-    with _connect(server) as sock:
+    with connect(server) as sock:
         sock.sendall(_post_head(len(body)) + body)
         head = sock.recv(65536)
     assert head.startswith(b"HTTP/1.1 200 "), head
 
 
 def _status(url: str, request: bytes) -> int:
-    with _connect(url) as sock:
+    with connect(url) as sock:
         sock.sendall(request)
         return int(sock.recv(65536).split(b" ", 2)[1])
 
@@ -122,9 +105,9 @@ def worker() -> Iterator[Proc]:
 
 
 def test_tidegate_worker_refuses_a_body_over_its_limit_unread(worker: Proc) -> None:
-    with _connect(worker.url) as sock:
+    with connect(worker.url) as sock:
         sock.sendall(_post_head(WORKER_READ_LIMITS.max_request_bytes + 1))  # headers only
-        status, error = _error_of(_read_until_closed(sock))
+        status, error = error_of(read_until_closed(sock))
     assert (status, error["code"]) == (413, "request_too_large")
 
 
