@@ -44,6 +44,7 @@ test: lint typecheck unit
 bench: $(VENV)/.installed-dev
 	$(BIN)/python benchmarks/bench_queue.py
 	$(BIN)/python benchmarks/bench_worker.py
+	$(BIN)/python benchmarks/bench_generation.py
 	$(BIN)/python benchmarks/bench_gateway.py
 	$(BIN)/python benchmarks/bench_sim.py
 	$(BIN)/python benchmarks/bench_sim_fidelity.py

