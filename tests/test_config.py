@@ -1104,7 +1104,7 @@ def test_roles_and_access_render_and_load_back() -> None:
 
 
 def test_a_built_in_model_asks_the_memory_it_is_known_to_need() -> None:
-    assert load_config(None).model("smollm2").memory_mb == 1200  # not the 400 of the task
+    assert load_config(None).model("smollm2").memory_mb == 1500  # not the 400 of the task
     own = parse({"models": [{"name": "smollm2", "model_path": "/models/other"}]})
     assert own.model("smollm2").memory_mb == 400  # other weights: the task's default
     sized = parse({"models": [{"name": "smollm2", "memory_mb": 900}]})

