@@ -75,6 +75,7 @@ log = logging.getLogger("tidegate.controller")
 
 DEFRAG_EVERY_S = 300.0  # how often the off-peak window is checked for a useful plan
 KEPT_DECISIONS = 200  # per model, for /admin/autoscaler and explain
+KEPT_SCALE_EVENTS = 500  # all models, for the dashboard's time axis
 STOP_TIMEOUT_S = 10.0  # SIGTERM to SIGKILL, once drained
 _ACTIVE = (ReplicaState.STARTING, ReplicaState.WARMING, ReplicaState.READY, ReplicaState.FAILED)
 
@@ -118,6 +119,9 @@ class Controller:
         self.placement = Placement()
         self.devices: tuple[Device, ...] = config.devices or nvml_devices()
         self._turn: dict[str, int] = {}
+        # (model, decision) of every change; decisions also holds the no-ops, which push
+        # a change out of it within KEPT_DECISIONS intervals.
+        self.scale_events: deque[tuple[str, ScaleDecision]] = deque(maxlen=KEPT_SCALE_EVENTS)
         self._tasks: list[asyncio.Task[None]] = []
         self._client: httpx.AsyncClient | None = None
         self._ready_waiters: dict[str, asyncio.Event] = {}
@@ -223,6 +227,7 @@ class Controller:
         if decision.direction is Direction.NONE:
             return decision
         log.info("autoscaler %s: %s", name, decision.describe())
+        self.scale_events.append((name, decision))
         metrics.scale_events.labels(name, decision.direction.value, decision.reason.value).inc()
         delta = decision.desired_replicas - decision.current_replicas
         if delta > 0:
