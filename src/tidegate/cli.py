@@ -400,6 +400,34 @@ def k8s_drain(
     typer.echo(drain_worker(url, timeout_s))
 
 
+observability_app = typer.Typer(
+    help="Prometheus rules and scrape config, Grafana dashboard.", no_args_is_help=True
+)
+app.add_typer(observability_app, name="observability")
+
+
+@observability_app.command("render")
+def observability_render(
+    out: Annotated[Path, typer.Option(help="Folder for the rules, dashboard and scrape config.")],
+    config: Annotated[
+        Path | None, typer.Option(help="YAML config; none: embedded default.")
+    ] = None,
+) -> None:
+    """Write Prometheus recording and alerting rules, a Prometheus scrape configuration and a
+    Grafana dashboard for a config (docs/observability.md)."""
+    from tidegate.config import load_config
+    from tidegate.errors import ConfigError
+    from tidegate.ops.observability import write_observability
+
+    try:
+        resolved = load_config(config)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for path in write_observability(resolved, out):
+        typer.echo(f"wrote {path}")
+
+
 @app.command()
 def explain(
     model: Annotated[str, typer.Argument(help="An autoscaled model of the running gateway.")],
