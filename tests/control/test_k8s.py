@@ -30,7 +30,13 @@ from tests.procs import DEADLINE_S, wait_for, worker_process
 from tidegate.cli import app
 from tidegate.config import TidegateConfig, load_config, parse_config
 from tidegate.control import k8s_scaling
-from tidegate.control.k8s import Manifests, drain_worker, grace_period_s, render_manifests
+from tidegate.control.k8s import (
+    MONITORING_KINDS,
+    Manifests,
+    drain_worker,
+    grace_period_s,
+    render_manifests,
+)
 from tidegate.control.k8s_objects import WORKER_PORT, RenderOptions, dns_name
 from tidegate.core.autoscale import (
     DEFAULT_SCALE_UP,
@@ -94,6 +100,8 @@ def test_every_manifest_validates_strictly(
     for doc in manifests.documents:
         if doc["kind"] == "ScaledObject":
             check_scaled_object(doc, manifests, version)
+        elif doc["kind"] in MONITORING_KINDS:
+            continue  # the Prometheus Operator's CRDs: tests/ops/test_observability_k8s.py
         else:
             kubernetes_validate.validate(doc, version, strict=True)
 
@@ -797,6 +805,7 @@ def test_cli_writes_one_file_per_kind(tmp_path: Path) -> None:
         "04-poddisruptionbudget.yaml",
         "05-horizontalpodautoscaler.yaml",
         "06-prometheus-adapter-rules.yaml",
+        "07-monitoring.yaml",
     ]
     deployments = list(yaml.safe_load_all((tmp_path / "03-deployment.yaml").read_text()))
     assert {d["kind"] for d in deployments} == {"Deployment"}
@@ -814,6 +823,7 @@ def test_cli_prints_to_stdout_and_reports_errors(tmp_path: Path) -> None:
         "Service",
         "Deployment",
         "PodDisruptionBudget",
+        *MONITORING_KINDS,
     }
     bad = tmp_path / "bad.yaml"
     bad.write_text("models: [{name: sim, task: embeddings, engine: simulated, gpu: half}]\n")

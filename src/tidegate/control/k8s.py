@@ -17,6 +17,9 @@ controllers act on what is rendered (see docs/kubernetes.md). Per local model:
 And the gateway: its configuration in a ``ConfigMap`` (every local model switched to
 ``engine: openai`` with its Service as the one upstream), a ``Deployment``, a ``Service``
 and a ``PodDisruptionBudget``; plus the Prometheus Adapter rules (without ``--keda``).
+Monitoring (``control.k8s_observability``): a PodMonitor and a ServiceMonitor, the alerting
+and recording rules as a PrometheusRule and the Grafana dashboard as a ConfigMap, all in
+their own file (they need the Prometheus Operator's CRDs).
 
 Invariants: requests == limits in every container; every selector matches its pods'
 labels and nothing else; every HPA targets a rendered Deployment; a worker's grace period
@@ -51,11 +54,18 @@ from tidegate.control.k8s_objects import (
     pdb,
     probe,
 )
+from tidegate.control.k8s_observability import (
+    MODEL_ANNOTATION,
+    POOL_ANNOTATION,
+    render_monitoring,
+)
 from tidegate.control.k8s_scaling import ScaleTarget
 from tidegate.control.local import tidegate_command, worker_command
 from tidegate.errors import ConfigError
 
 __all__ = [
+    "MONITORING_FILE",
+    "MONITORING_KINDS",
     "Manifests",
     "RenderOptions",
     "container_args",
@@ -82,6 +92,8 @@ FILES = {  # kind -> file under --out; numbered in the order `kubectl apply -f D
     "ScaledObject": "05-scaledobject.yaml",
 }
 ADAPTER_FILE = "06-prometheus-adapter-rules.yaml"
+MONITORING_FILE = "07-monitoring.yaml"
+MONITORING_KINDS = ("PodMonitor", "ServiceMonitor", "PrometheusRule")
 _LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
@@ -95,7 +107,12 @@ class Manifests:
         files: dict[str, list[dict[str, Any]]] = {}
         for doc in self.documents:
             name = doc["metadata"]["name"]
-            file = ADAPTER_FILE if name.endswith("prometheus-adapter-rules") else FILES[doc["kind"]]
+            if name.endswith("prometheus-adapter-rules"):
+                file = ADAPTER_FILE
+            elif doc["kind"] in MONITORING_KINDS or name.endswith("grafana-dashboard"):
+                file = MONITORING_FILE
+            else:
+                file = FILES[doc["kind"]]
             files.setdefault(file, []).append(doc)
         return dict(sorted(files.items()))
 
@@ -153,6 +170,9 @@ def render_manifests(config: TidegateConfig, options: RenderOptions) -> Manifest
     if scaled and not options.keda:
         labels = {**common_labels(), "app.kubernetes.io/component": "metrics"}
         docs.append(k8s_scaling.render_adapter_config_map(scaled, options.namespace, labels))
+    hpas = {u.model.name: u.name for u in units if u.model.autoscaling is not None}
+    gateway_labels = {**common_labels(), "app.kubernetes.io/component": "gateway"}
+    docs += render_monitoring(config, options, hpas, gateway_labels)
     _check_unique(docs, config.source)
     return Manifests(tuple(docs), tuple(notes), config.source)
 
@@ -289,6 +309,9 @@ def _deployment(config: TidegateConfig, unit: _Unit, options: RenderOptions) -> 
                     "prometheus.io/scrape": "true",
                     "prometheus.io/port": str(WORKER_PORT),
                     "prometheus.io/path": "/metrics",
+                    # exact names for the PodMonitor's model and pool labels
+                    MODEL_ANNOTATION: model.name,
+                    POOL_ANNOTATION: unit.pool,
                 },
             },
             "spec": {

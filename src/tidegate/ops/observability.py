@@ -97,7 +97,8 @@ def level_slo_s(config: TidegateConfig, model: ModelSpec, level: str) -> float |
         return timeout_s
     index = config.levels.index(level)
     if index == 0:
-        return config.aging.threshold_s  # aging lifts nothing above the top level
+        # past it, aged requests of the lower levels compete with it: the level is saturated
+        return config.aging.threshold_s
     if config.aging.rate_per_s <= 0:
         return None  # without aging a level may wait as long as more urgent work arrives
     return config.aging.threshold_s + index / config.aging.rate_per_s
@@ -111,8 +112,8 @@ def _cold_start_budget_s(model: ModelSpec) -> float:
 # ----------------------------------------------------------------------------- rules
 
 
-def _record(name: str, expr: str) -> dict[str, Any]:
-    return {"record": name, "expr": expr}
+def _record(name: str, expr: str, **labels: str) -> dict[str, Any]:
+    return {"record": name, "expr": expr, **({"labels": labels} if labels else {})}
 
 
 def _recording_rules(source: ScaleSource) -> list[dict[str, Any]]:
@@ -176,12 +177,7 @@ def _scale_records(source: ScaleSource) -> list[dict[str, Any]]:
             f'kube_horizontalpodautoscaler_status_desired_replicas{{namespace="'
             f'{source.namespace}",horizontalpodautoscaler="{hpa}"}}'
         )
-        rules.append(
-            _record(
-                "tidegate:desired_replicas",
-                f'label_replace(max({desired}), "model", "{model}", "", "")',
-            )
-        )
+        rules.append(_record("tidegate:desired_replicas", f"max({desired})", model=model))
     for direction, op in (("up", ">"), ("down", "<")):
         rules.append(
             _record(
@@ -201,7 +197,8 @@ class _Alert:
     severity: str
     summary: str
     description: str
-    doctor: str  # the doctor rule that explains it
+    doctor: str  # the doctor rules that explain it
+    model: str | None = None  # per-model rules carry it: two of them must differ in labels
     labels: tuple[tuple[str, str], ...] = ()
 
     def rule(self) -> dict[str, Any]:
@@ -209,7 +206,11 @@ class _Alert:
             "alert": self.name,
             "expr": self.expr,
             "for": self.for_,
-            "labels": {"severity": self.severity, **dict(self.labels)},
+            "labels": {
+                "severity": self.severity,
+                **({"model": self.model} if self.model else {}),
+                **dict(self.labels),
+            },
             "annotations": {
                 "summary": self.summary,
                 "description": self.description,
@@ -239,7 +240,8 @@ def _model_alerts(config: TidegateConfig) -> Iterator[_Alert]:
                 "few replicas (autoscaling.target_per_replica lower, max_replicas higher), "
                 "or a slow shared device (move the model to its own pool).",
                 "batches_too_small,scale_out_latency,noisy_neighbour",
-                (("slo_s", f"{slo_s:g}"),),
+                model=model.name,
+                labels=(("priority", level), ("slo_s", f"{slo_s:g}")),
             )
         if model.autoscaling is not None:
             yield from _autoscaling_alerts(model)
@@ -249,11 +251,12 @@ def _autoscaling_alerts(model: ModelSpec) -> Iterator[_Alert]:
     assert model.autoscaling is not None
     m = f'model="{model.name}"'
     desired = f"tidegate:desired_replicas{{{m}}}"
+    queued = f"tidegate:queue_depth:sum{{{m}}}"
     yield _Alert(
         "TidegateBacklogWithoutScaleUp",
-        f"(tidegate:queue_depth:sum{{{m}}} > 0) and (deriv(tidegate:queue_depth:sum{{{m}}}[5m])"
-        f" > 0) unless on (model) ({desired} > min_over_time({desired}[10m])) unless on "
-        f"(model) ({desired} >= {model.autoscaling.max_replicas})",
+        f"({queued} > 0) and on (model) (deriv({queued}[5m]) > 0)"
+        f" unless on (model) ({desired} > min_over_time({desired}[10m]))"
+        f" unless on (model) ({desired} >= {model.autoscaling.max_replicas})",
         "5m",
         "critical",
         f'{model.name}: {{{{ $value | printf "%.0f" }}}} requests queued and growing, no '
@@ -263,6 +266,7 @@ def _autoscaling_alerts(model: ModelSpec) -> Iterator[_Alert]:
         "inference_queue_depth reaches the autoscaler, lower autoscaling.target_per_replica "
         "or shorten scale_up.stabilization_window_s.",
         "autoscale_stuck",
+        model=model.name,
     )
     yield _Alert(
         "TidegateAutoscalingSignalMissing",
@@ -277,6 +281,7 @@ def _autoscaling_alerts(model: ModelSpec) -> Iterator[_Alert]:
         "the gateway's /metrics, the scrape job tidegate-gateway and the Prometheus Adapter "
         "rules (tidegate k8s render).",
         "autoscale_stuck",
+        model=model.name,
     )
     budget_s = _cold_start_budget_s(model)
     yield _Alert(
@@ -292,7 +297,8 @@ def _autoscaling_alerts(model: ModelSpec) -> Iterator[_Alert]:
         "keep weights on local disk, shorten warm-up, raise autoscaling.cold_start_s or "
         "min_replicas before known peaks (schedules).",
         "scale_out_latency",
-        (("budget_s", f"{budget_s:g}"),),
+        model=model.name,
+        labels=(("budget_s", f"{budget_s:g}"),),
     )
 
 

@@ -1,0 +1,86 @@
+"""What the observability tests share: a config with every kind of alert, and promtool."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from tidegate.config import TidegateConfig, load_config
+
+HIGH_TIMEOUT_S = 2.0
+COLD_START_S = 30.0
+MAX_REPLICAS = 3
+PROMTOOL_FIX = (
+    "promtool (Debian's prometheus package) is not installed. Fix: make system-packages "
+    "(or: sudo apt-get install -y --no-install-recommends prometheus)"
+)
+
+
+def write_profile(path: Path, latency_ms: float = 20.0) -> Path:
+    path.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "model": "sim",
+                "task": "embeddings",
+                "memory_mb": 100,
+                "embeddings": {"points": [{"batch_size": 1, "latency_ms": latency_ms}]},
+            }
+        )
+    )
+    return path
+
+
+def config_dict(profile: Path) -> dict[str, object]:
+    """An autoscaled model ``chat`` (high level's timeout set) and a static ``embed``."""
+    common = {
+        "task": "embeddings",
+        "engine": "simulated",
+        "profile": str(profile),
+        "pools": ["shared"],
+        "replicas": 1,
+    }
+    return {
+        "pools": {"shared": {"priorities": ["high", "medium", "low"], "devices": ["cpu"]}},
+        "models": [
+            {
+                "name": "chat",
+                **common,
+                "queue": {"timeout_s": {"high": HIGH_TIMEOUT_S}},
+                "autoscaling": {
+                    "min_replicas": 1,
+                    "max_replicas": MAX_REPLICAS,
+                    "target_per_replica": 4,
+                    "cold_start_s": COLD_START_S,
+                },
+            },
+            {"name": "embed", **common},
+        ],
+    }
+
+
+def load(tmp_path: Path, data: dict[str, object] | None = None) -> TidegateConfig:
+    profile = write_profile(tmp_path / "profile.json")
+    path = tmp_path / "tidegate.yaml"
+    path.write_text(yaml.safe_dump(data or config_dict(profile)))
+    return load_config(path)
+
+
+def promtool() -> str:
+    found = shutil.which("promtool")
+    assert found is not None, PROMTOOL_FIX
+    return found
+
+
+def run_promtool(*args: str, cwd: Path) -> str:
+    """promtool ARGS; its output, or an assertion error that shows it."""
+    done = subprocess.run(
+        [promtool(), *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"promtool {' '.join(args)} failed:\n{output}"
+    return output
