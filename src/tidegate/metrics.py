@@ -169,6 +169,13 @@ class GatewayMetrics(_RequestMetrics):
             buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
             registry=r,
         )
+        self.doctor_findings = Gauge(
+            "tidegate_doctor_findings",
+            "Doctor's active findings over the gateway's own metrics, by rule and severity "
+            "(0 once cleared).",
+            ["rule", "severity"],
+            registry=r,
+        )
         self.drain = Histogram(
             "tidegate_drain_seconds",
             "From draining (no new requests) to stopped, for a replica scaled in.",
