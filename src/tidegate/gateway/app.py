@@ -36,7 +36,8 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
         try:
-            yield
+            async with app.state.doctor.running():  # doctor's rules every few seconds
+                yield
         finally:
             await gateway.stop()
 
