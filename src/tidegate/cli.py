@@ -458,6 +458,56 @@ def explain(
 
 
 @app.command()
+def doctor(
+    url: Annotated[str, typer.Option(help="The running gateway.")] = "http://127.0.0.1:8000",
+    key: Annotated[
+        str | None, typer.Option(envvar="TIDEGATE_ADMIN_KEY", help="Admin key, when keys are set.")
+    ] = None,
+    window: Annotated[str, typer.Option(help="Gateway: measure over this long (60s, 5m).")] = "60s",
+    prometheus: Annotated[
+        str | None, typer.Option(help="Read this Prometheus server instead of the gateway.")
+    ] = None,
+    range_: Annotated[
+        str, typer.Option("--range", help="Prometheus: look back this far (6h, 1d).")
+    ] = "6h",
+    report: Annotated[
+        Path | None, typer.Option(help="Read a tidegate simulate report.json instead.")
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="Prometheus or report: the config to diff fixes against.")
+    ] = None,
+    p99_slo: Annotated[
+        float, typer.Option(min=0.0, help="End-to-end p99 (seconds) above which latency is high.")
+    ] = 1.0,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON for machines.")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Also list rules that had nothing to read.")
+    ] = False,
+) -> None:
+    """Findings ranked by impact with their config fixes; exit 2 when one is critical."""
+    from tidegate.core.diagnose import Thresholds
+    from tidegate.ops.doctor import DoctorOptions, parse_duration, run_doctor
+
+    try:
+        options = DoctorOptions(
+            url=url,
+            key=key,
+            window_s=parse_duration(window),
+            prometheus=prometheus,
+            range_s=parse_duration(range_),
+            report=report,
+            config=config,
+            as_json=as_json,
+            verbose=verbose,
+            thresholds=Thresholds(p99_slo_s=p99_slo),
+        )
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    raise typer.Exit(run_doctor(options, typer.echo, lambda line: typer.echo(line, err=True)))
+
+
+@app.command()
 def defrag(
     config: Annotated[Path, typer.Option(help="YAML config with declared devices.")],
     dry_run: Annotated[
