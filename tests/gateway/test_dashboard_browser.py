@@ -1,0 +1,403 @@
+"""The live dashboard in a real headless Chromium (Debian's ``chromium``, driven by
+Playwright) while load runs against a real ``tidegate serve`` with simulated workers.
+
+The page must load without a console error, and what it renders must be the live numbers:
+every number cell is recomputed here from the two snapshots the page itself fetched
+(``data-from-at`` / ``data-to-at`` on <body>), the way Prometheus computes rate() and
+histogram_quantile(); the snapshots hold what ``/metrics`` holds (checked between two
+scrapes under load, and sample for sample once idle); and once the load has stopped, the
+totals on the page are the totals of ``/metrics``.
+
+Every wait is for an event (a poll rendered, a marker drawn), bounded by a generous
+deadline. ``TIDEGATE_DASHBOARD_SCREENSHOT=path`` also saves a screenshot under load (the
+one in docs/images/dashboard.png).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gateway.test_dashboard import (
+    ADMIN,
+    ADMIN_KEY,
+    USER_KEY,
+    metric_samples,
+    snapshot_samples,
+    write_config,
+)
+from tests.procs import DEADLINE_S, Proc, gateway_process, wait_for
+
+pytestmark = pytest.mark.e2e
+
+DEADLINE_MS = DEADLINE_S * 2 * 1000  # the page's waits: a scale-up starts a process
+STATUS_OF = {
+    "completed": "200",
+    "shed": "429",
+    "rejected_full": "429",
+    "rejected_deadline": "429",
+    "rejected_holdback": "429",
+    "rejected_unavailable": "503",
+    "shutdown": "503",
+    "expired": "504",
+    "failed": "502",
+    "cancelled": "499",
+    "invalid": "4xx",
+}
+NOTHING = "\N{EN DASH}"  # what the page shows where nothing happened in the window
+LOAD = {"high": 3, "medium": 2, "low": 3}  # client threads per priority
+# Reads every number cell, the chart's last points and the markers in one go: the page
+# re-renders between two separate reads.
+READ_PAGE = """() => {
+  const cells = {};
+  for (const td of document.querySelectorAll("td[data-k]")) {
+    const tr = td.closest("tr"), id = td.closest("table").id;
+    const row = tr.dataset.replica || [tr.dataset.model, tr.dataset.priority].join("/");
+    cells[[id, row, td.dataset.k].join("|")] = {value: td.dataset.value, text: td.textContent};
+  }
+  const points = {};
+  for (const c of document.querySelectorAll("circle[data-series]")) {
+    points[c.closest("figure > div").id + "|" + c.dataset.series] = c.dataset.value;
+  }
+  const markers = [...document.querySelectorAll("#chart-replicas .scale-event")]
+    .map((g) => g.dataset.direction);
+  return {from_at: document.body.dataset.fromAt, to_at: document.body.dataset.toAt,
+          polls: Number(document.body.dataset.polls || 0), cells, points, markers,
+          doctor: document.getElementById("doctor-findings").textContent,
+          findings: document.querySelectorAll("#doctor-findings .finding").length};
+}"""
+
+
+def chromium() -> str:
+    path = shutil.which("chromium")
+    assert path is not None, (
+        "Debian's chromium is not installed: run `make system-packages` (.ci/system-packages), "
+        "or apt-get install -y --no-install-recommends chromium"
+    )
+    return path
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium(), headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+# ---------------------------------------------------------------- the oracle (PromQL's)
+def total(samples: list[Any], name: str, match: dict[str, str]) -> float | None:
+    found = [v for n, labels, v in samples if n == name and match.items() <= labels.items()]
+    return sum(found) if found else None
+
+
+def increase(before: float | None, after: float | None) -> float | None:
+    if after is None or before is None:
+        return after
+    return after - before if after >= before else after
+
+
+def buckets(samples: list[Any], name: str, match: dict[str, str]) -> dict[float, float]:
+    out: dict[float, float] = {}
+    for n, labels, value in samples:
+        if n == f"{name}_bucket" and match.items() <= labels.items():
+            le = float(labels["le"])  # "+Inf" -> inf
+            out[le] = out.get(le, 0.0) + value
+    return out
+
+
+def histogram_quantile(q: float, cumulative: list[tuple[float, float]]) -> float:
+    """Prometheus' bucketQuantile (promql/quantile.go) over sorted (le, count) pairs."""
+    if len(cumulative) < 2 or cumulative[-1][0] != math.inf or not cumulative[-1][1] > 0:
+        return math.nan
+    rank = q * cumulative[-1][1]
+    b = next(i for i, (_, count) in enumerate(cumulative) if count >= rank)
+    if b == len(cumulative) - 1:
+        return cumulative[-2][0]
+    if b == 0 and cumulative[0][0] <= 0:
+        return cumulative[0][0]
+    start, end, count = 0.0, cumulative[b][0], cumulative[b][1]
+    if b > 0:
+        start = cumulative[b - 1][0]
+        count -= cumulative[b - 1][1]
+        rank -= cumulative[b - 1][1]
+    return start + (end - start) * rank / count
+
+
+def expected_cells(base: dict[str, Any], cur: dict[str, Any]) -> dict[str, float | None]:
+    """Every number the page shows for traffic, outcomes and CPU, from its two snapshots."""
+    dt = cur["at"] - base["at"]
+    s0, s1 = base["samples"], cur["samples"]
+    out: dict[str, float | None] = {}
+    for model in cur["models"]:
+        for priority in cur["levels"]:
+            row, name = {"model": model, "priority": priority}, f"{model}/{priority}"
+            done = increase(
+                total(s0, "tidegate_requests_total", row), total(s1, "tidegate_requests_total", row)
+            )
+            out[f"traffic-table|{name}|qps"] = (done or 0) / dt
+            out[f"traffic-table|{name}|queue_depth"] = total(s1, "tidegate_queue_depth", row)
+            for phase in ("ttft", "e2e"):
+                match = {**row, "phase": phase}
+                before = buckets(s0, "tidegate_request_duration_seconds", match)
+                after = buckets(s1, "tidegate_request_duration_seconds", match)
+                inc = [(le, increase(before.get(le), after[le]) or 0.0) for le in sorted(after)]
+                for q in (0.5, 0.95, 0.99):
+                    key = f"traffic-table|{name}|{phase}_p{round(q * 100)}"
+                    # no such series (TTFT of embeddings): n/a; no request: NaN
+                    out[key] = histogram_quantile(q, inc) if after else None
+            rates: Counter[str] = Counter()
+            totals: Counter[str] = Counter()
+            for n, labels, value in s1:
+                if n == "tidegate_requests_total" and row.items() <= labels.items():
+                    status = STATUS_OF.get(labels["outcome"], "other")
+                    rates[status] += (increase(total(s0, n, labels), value) or 0) / dt
+                    totals[status] += value
+            for status in ("200", "429", "503", "504", "502", "499", "4xx", "other"):
+                out[f"outcome-table|{name}|rate:{status}"] = rates[status]
+                out[f"outcome-table|{name}|total:{status}"] = totals[status]
+    before_of = {r["id"]: r for r in base["replicas"]}
+    for replica in cur["replicas"]:
+        old = before_of.get(replica["id"])
+        p1, p0 = replica["process"], old and old["process"]
+        cpu = None
+        if p1 and p0 and p1["cpu_seconds"] is not None and p0["cpu_seconds"] is not None:
+            cpu = 100 * (increase(p0["cpu_seconds"], p1["cpu_seconds"]) or 0) / dt
+        out[f"resource-table|{replica['id']}|cpu_pct"] = cpu
+        rss = p1["rss_bytes"] / 2**20 if p1 and p1["rss_bytes"] is not None else None
+        out[f"resource-table|{replica['id']}|rss_mib"] = rss
+    return out
+
+
+def assert_cell(cells: dict[str, Any], key: str, expected: float | None) -> None:
+    cell = cells[key]
+    if expected is None:
+        assert (cell["value"], cell["text"]) == ("", "n/a"), key
+    elif math.isnan(expected):
+        assert (cell["value"], cell["text"]) == ("", NOTHING), key
+    else:
+        assert float(cell["value"]) == pytest.approx(expected, rel=1e-9, abs=1e-12), key
+        assert cell["text"] not in ("n/a", NOTHING), key
+
+
+# ------------------------------------------------------------------------- the scenario
+class Load:
+    """Client threads per priority, each sending one request after another until stopped."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.statuses: Counter[int] = Counter()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, args=(priority,))
+            for priority, clients in LOAD.items()
+            for _ in range(clients)
+        ]
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=DEADLINE_S)
+            assert not thread.is_alive(), "a request hung"
+
+    def served(self) -> int:
+        with self._lock:
+            return self.statuses.total()
+
+    def _run(self, priority: str) -> None:
+        headers = {"Authorization": f"Bearer {USER_KEY}", "X-Priority": priority}
+        with httpx.Client(headers=headers, timeout=DEADLINE_S) as client:
+            while not self._stop.is_set():
+                answer = client.post(
+                    f"{self.url}/v1/embeddings", json={"model": "sim", "input": "tide"}
+                )
+                with self._lock:
+                    self.statuses[answer.status_code] += 1
+
+
+def scaling_config(tmp_path: Path) -> Path:
+    """One replica that scales to two under the load (and not back during the test)."""
+    return write_config(
+        tmp_path,
+        autoscaling={
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "target_per_replica": 2,
+            "interval_s": 0.5,
+            "stable_window_s": 0,
+            "scale_down": {"stabilization_window_s": 600},
+        },
+    )
+
+
+def metrics(gateway: Proc) -> dict[Any, float]:
+    return metric_samples(httpx.get(f"{gateway.url}/metrics", timeout=DEADLINE_S).text)
+
+
+def idle(gateway: Proc) -> bool:
+    described = httpx.get(f"{gateway.url}/admin/replicas", headers=ADMIN, timeout=DEADLINE_S)
+    (model,) = described.json().values()
+    return model["queued"] == 0 and all(r["in_flight"] == 0 for r in model["replicas"])
+
+
+def test_quantiles_are_prometheus_histogram_quantile(browser: Any) -> None:
+    page = browser.new_page()
+    page.set_content('<span id="status"></span>')
+    script = (resources.files("tidegate.gateway") / "dashboard_assets/dashboard.js").read_text()
+    page.add_script_tag(content=script)  # no server: its polls fail, quietly
+    inf = math.inf
+    cases = [
+        # (q, cumulative buckets, Prometheus' answer)
+        (0.5, [(0.1, 10), (0.5, 20), (inf, 20)], 0.1),
+        (0.75, [(0.1, 10), (0.5, 20), (inf, 20)], 0.3),
+        (0.99, [(0.1, 10), (0.5, 20), (inf, 20)], 0.492),
+        (0.5, [(1, 4), (2, 4), (inf, 4)], 0.5),  # the first bucket starts at 0
+        (0.5, [(0.1, 0), (0.5, 0), (inf, 5)], 0.5),  # all above: the largest finite bound
+        (0.5, [(0.1, 0), (inf, 0)], math.nan),  # nothing observed
+    ]
+    for q, cumulative, expected in cases:
+        assert histogram_quantile(q, cumulative) == pytest.approx(expected, nan_ok=True)
+        js = [[le if le != inf else "Infinity", count] for le, count in cumulative]
+        got = page.evaluate(
+            "([q, b]) => window.tidegateDashboard.quantile(q, "
+            "b.map(([le, c]) => [le === 'Infinity' ? Infinity : le, c]))",
+            [q, js],
+        )
+        assert (got if got is not None else math.nan) == pytest.approx(expected, nan_ok=True)
+
+
+def test_page_shows_the_live_numbers_of_metrics_under_load(browser: Any, tmp_path: Path) -> None:
+    problems: list[str] = []
+    with gateway_process("--config", str(scaling_config(tmp_path))) as gateway:
+        context = browser.new_context(
+            http_credentials={"username": "ops", "password": ADMIN_KEY},
+            viewport={"width": 1400, "height": 900},
+        )
+        try:
+            page = context.new_page()
+            page.on("console", lambda m: m.type == "error" and problems.append(m.text))
+            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+            fetched: list[Any] = []
+            page.on("response", lambda r: r.url.endswith("/dashboard/data") and fetched.append(r))
+            with Load(gateway.url) as load:
+                opened = page.goto(f"{gateway.url}/dashboard")
+                assert opened is not None
+                assert opened.status == 200
+                check_under_load(page, fetched, gateway, load)
+            check_when_idle(page, fetched, gateway, load)
+        finally:
+            context.close()
+    assert problems == []
+
+
+def check_under_load(page: Any, fetched: list[Any], gateway: Proc, load: Load) -> None:
+    # The scale-up is marked, both replicas are measured, rates are on the page.
+    page.wait_for_function(
+        """() => document.querySelectorAll(
+             '#chart-replicas .scale-event[data-direction="up"]').length > 0
+           && document.querySelectorAll('#replica-table td.state-ready').length == 2
+           && document.querySelectorAll('#resource-table td[data-k="cpu_pct"]').length == 2
+           && Number(document.body.dataset.polls) >= 3""",
+        timeout=DEADLINE_MS,
+    )
+    wait_for(lambda: load.served() > 100)
+    if os.environ.get("TIDEGATE_DASHBOARD_SCREENSHOT"):
+        wait_for_polls(page, 5)
+        page.screenshot(path=os.environ["TIDEGATE_DASHBOARD_SCREENSHOT"], full_page=True)
+    shown = page.evaluate(READ_PAGE)
+    base, cur = page_snapshots(fetched, shown)
+    expected = expected_cells(base, cur)
+    for key, value in expected.items():
+        assert_cell(shown["cells"], key, value)
+    assert max(expected[f"traffic-table|sim/{p}|qps"] or 0 for p in LOAD) > 0
+    assert "up" in shown["markers"]
+    # Charts: their last points are the table's numbers of the same poll.
+    for priority in LOAD:
+        qps = shown["cells"][f"traffic-table|sim/{priority}|qps"]["value"]
+        assert shown["points"][f"chart-qps|sim/{priority}"] == qps
+    # No GPU here: its cells say so; CPU and memory come from each worker process.
+    for replica in cur["replicas"]:
+        assert shown["cells"][f"resource-table|{replica['id']}|gpu_util_pct"]["text"] == "n/a"
+        assert float(shown["cells"][f"resource-table|{replica['id']}|rss_mib"]["value"]) > 0
+
+    # A snapshot taken between two scrapes of /metrics: every counter and bucket in between.
+    before = metrics(gateway)
+    answer = httpx.get(f"{gateway.url}/dashboard/data", headers=ADMIN, timeout=DEADLINE_S)
+    data = snapshot_samples(answer.json())
+    after = metrics(gateway)
+    monotone = [k for k in data if k[0].endswith(("_total", "_bucket", "_count"))]
+    assert monotone
+    for key in monotone:
+        assert before.get(key, 0.0) <= data[key] <= after[key], key
+
+
+def check_when_idle(page: Any, fetched: list[Any], gateway: Proc, load: Load) -> None:
+    """Load stopped, nothing queued or in flight: the page's totals are /metrics' totals."""
+    wait_for(lambda: idle(gateway))
+    wait_for_polls(page, 2)  # a poll that started after the last request ended
+    shown = page.evaluate(READ_PAGE)
+    now = metrics(gateway)
+    totals: Counter[str] = Counter()
+    for (name, labels), value in now.items():
+        row = dict(labels)
+        if name == "tidegate_requests_total" and row["model"] == "sim":
+            status = STATUS_OF.get(row["outcome"], "other")
+            totals[f"outcome-table|sim/{row['priority']}|total:{status}"] += value
+        elif name == "tidegate_queue_depth":
+            key = f"traffic-table|{row['model']}/{row['priority']}|queue_depth"
+            assert float(shown["cells"][key]["value"]) == value == 0
+        elif name == "tidegate_cold_start_seconds_count":
+            cell = shown["cells"][f"coldstart-table|{row['model']}/|cold_starts"]
+            assert float(cell["value"]) == value >= 1
+        elif name == "tidegate_replicas":
+            series = f"{row['model']}/{row['pool']}/{row['state']}"
+            assert float(shown["points"][f"chart-replicas|{series}"]) == value
+    assert totals.total() >= load.served() > 100
+    for key, value in totals.items():
+        assert float(shown["cells"][key]["value"]) == value, key
+    # Doctor: the findings of that poll, or the line that says there is no doctor.
+    _, cur = page_snapshots(fetched, shown)
+    if cur["doctor"]["available"]:
+        assert shown["findings"] == len(cur["doctor"]["findings"])
+    else:
+        assert shown["doctor"] == cur["doctor"]["reason"] == "doctor not available"
+
+
+def wait_for_polls(page: Any, more: int) -> None:
+    polls = page.evaluate("() => Number(document.body.dataset.polls)")
+    page.wait_for_function(
+        "n => Number(document.body.dataset.polls) >= n", arg=polls + more, timeout=DEADLINE_MS
+    )
+
+
+def page_snapshots(fetched: list[Any], shown: dict[str, Any]) -> tuple[Any, Any]:
+    """The two snapshots the page drew from, among those it fetched (newest first)."""
+    wanted = (float(shown["from_at"]), float(shown["to_at"]))
+    found: dict[float, Any] = {}
+    for response in reversed(fetched):
+        snapshot = response.json()
+        if snapshot["at"] in wanted:
+            found[snapshot["at"]] = snapshot
+        if len(found) == len(set(wanted)):
+            return found[wanted[0]], found[wanted[1]]
+    raise AssertionError(f"the page drew from snapshots it did not fetch: {wanted}")
