@@ -21,6 +21,7 @@ from tidegate.asgi import install_error_handlers
 from tidegate.config import TidegateConfig
 from tidegate.gateway.admin import add_admin_routes
 from tidegate.gateway.auth import authenticate, authorize_metrics
+from tidegate.gateway.dashboard import add_dashboard_routes
 from tidegate.gateway.forward import TASK_OF_PATH, proxy_request
 from tidegate.gateway.replicas import Replica
 from tidegate.gateway.state import Gateway
@@ -83,6 +84,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
         return {"object": "list", "data": data}
 
     add_admin_routes(app, gateway)
+    add_dashboard_routes(app, gateway)  # GET /dashboard: the live page (admin role)
 
     async def handle(request: Request) -> Response:
         return await proxy_request(gateway, request)
