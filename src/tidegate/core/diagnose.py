@@ -240,6 +240,12 @@ def _median(values: Sequence[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
+def _at_max(m: ModelWindow, cfg: Mapping[str, Any]) -> bool:
+    """An autoscaled model whose ready replicas are at its ``max_replicas``."""
+    maximum = _get(cfg, "autoscaling", "max_replicas")
+    return isinstance(maximum, int) and (m.ready_replicas or 0.0) >= maximum
+
+
 def _change(
     model: str | None, config: Mapping[str, Any], path: tuple[str, ...], new: Any
 ) -> ConfigChange:
@@ -608,8 +614,8 @@ def rule_high_shed(m: ModelWindow, s: Snapshot, t: Thresholds) -> Finding | None
     cfg = s.model_config(m.model)
     size = int(_num(_get(cfg, "queue", "max_size"), 1000.0))
     changes = [_change(m.model, cfg, ("queue", "max_size"), size * 2)]
-    maximum = _get(cfg, "autoscaling", "max_replicas")
-    if isinstance(maximum, int):
+    if _at_max(m, cfg):
+        maximum = int(_num(_get(cfg, "autoscaling", "max_replicas"), 1.0))
         changes.append(_change(m.model, cfg, ("autoscaling", "max_replicas"), maximum * 2))
     by = {o: high.count(o) for o in (*REFUSED, "expired") if high.count(o)}
     return Finding(
@@ -635,9 +641,9 @@ def rule_rejection_storm(m: ModelWindow, s: Snapshot, t: Thresholds) -> Finding 
     if total <= 0 or refused < t.refused_share * total or _rate(refused, s) < t.min_refused_per_s:
         return None
     cfg = s.model_config(m.model)
-    maximum = _get(cfg, "autoscaling", "max_replicas")
     changes: tuple[ConfigChange, ...] = ()
-    if isinstance(maximum, int):
+    if _at_max(m, cfg):  # below its max, the autoscaler can still add: no config to change
+        maximum = int(_num(_get(cfg, "autoscaling", "max_replicas"), 1.0))
         changes = (_change(m.model, cfg, ("autoscaling", "max_replicas"), maximum * 2),)
     return Finding(
         "rejection_storm",
