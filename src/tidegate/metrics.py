@@ -1,11 +1,13 @@
 """Prometheus metrics. Every process owns one registry; names start with ``tidegate_``.
 
-Request metrics are labelled by ``model`` and ``priority`` (the level name).
+Request metrics are labelled by ``model`` and ``priority`` (the level name). Every registry
+also carries prometheus_client's standard ``process_*`` metrics (CPU seconds, resident
+memory) of its own process. docs/observability.md lists every metric and who exports it.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 # Seconds: from a millisecond batch to a minute-long queue wait.
 LATENCY_BUCKETS_S = (
@@ -26,6 +28,23 @@ LATENCY_BUCKETS_S = (
     60.0,
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Seconds: tokenizing one request, from a short prompt (tens of microseconds) to a long
+# batch of inputs (tens of milliseconds); above a second the worker is badly CPU-bound.
+TOKENIZE_BUCKETS_S = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
 
 
 class _RequestMetrics:
@@ -34,6 +53,8 @@ class _RequestMetrics:
     def __init__(self, registry: CollectorRegistry | None, where: str) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # process_cpu_seconds_total, process_resident_memory_bytes, ...: read at scrape time.
+        ProcessCollector(registry=r)
         self.queue_depth = Gauge(
             "tidegate_queue_depth",
             f"Requests waiting in the {where}'s queue.",
@@ -81,6 +102,14 @@ class WorkerMetrics(_RequestMetrics):
             "Engine time per embedding batch.",
             ["model"],
             buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.tokenize = Histogram(
+            "tidegate_tokenize_seconds",
+            "Time the worker spends tokenizing one request (its prompt, chat template or "
+            "inputs), on the event loop before the request is queued.",
+            ["model"],
+            buckets=TOKENIZE_BUCKETS_S,
             registry=r,
         )
         self.tokens = Counter(
