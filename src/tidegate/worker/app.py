@@ -18,7 +18,7 @@ import time
 import uuid
 from array import array
 from collections.abc import AsyncIterator, Callable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -142,7 +142,7 @@ def create_app(
         engine = cast(EmbeddingEngine, _engine_for(worker, body.model, "embeddings"))
         priority = _priority(request)
         texts = _texts(body, engine.card)
-        tokens = engine.count_tokens(texts)
+        tokens = _tokenized(worker, engine.count_tokens, texts)
         for index, count in enumerate(tokens):
             if count > engine.card.max_context_tokens:
                 raise PromptTooLong(
@@ -169,7 +169,7 @@ def create_app(
     async def completions(request: Request) -> Response:
         body = wire.parse(wire.CompletionRequest, await json_body(request))
         engine = cast(GenerationEngine, _engine_for(worker, body.model, "generate"))
-        prompt_ids = _some_tokens(engine.encode(body.prompt_text()), "prompt")
+        prompt_ids = _some_tokens(_tokenized(worker, engine.encode, body.prompt_text()), "prompt")
         params = _sampling(body, body.max_tokens, engine.card, len(prompt_ids), 16)
         return await _generate(request, worker, body, prompt_ids, params, chat=False)
 
@@ -178,7 +178,7 @@ def create_app(
         body = wire.parse(wire.ChatCompletionRequest, await json_body(request))
         engine = cast(GenerationEngine, _engine_for(worker, body.model, "generate"))
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = _some_tokens(engine.encode_chat(messages), "messages")
+        prompt_ids = _some_tokens(_tokenized(worker, engine.encode_chat, messages), "messages")
         default = min(CHAT_DEFAULT_MAX_TOKENS, engine.card.max_output_tokens)
         params = _sampling(body, body.output_limit(), engine.card, len(prompt_ids), default)
         return await _generate(request, worker, body, prompt_ids, params, chat=True)
@@ -187,6 +187,20 @@ def create_app(
 
 
 # --------------------------------------------------------------------------- validation
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
+
+
+def _tokenized(worker: Worker, tokenize: Callable[[_In], _Out], value: _In) -> _Out:
+    """``tokenize(value)``, timed into tidegate_tokenize_seconds (failures took time too)."""
+    started = time.perf_counter()
+    try:
+        return tokenize(value)
+    finally:
+        elapsed_s = time.perf_counter() - started
+        worker.metrics.tokenize.labels(worker.settings.model).observe(elapsed_s)
+
+
 def _engine_for(worker: Worker, model: str, task: str) -> Engine:
     if model != worker.settings.model:
         raise ModelNotFound(

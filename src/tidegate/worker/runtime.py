@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import Counter
 
@@ -23,6 +25,7 @@ from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
 from tidegate.engines.base import EmbeddingEngine, Engine, GenerationEngine, SamplingParams
 from tidegate.errors import NotReady, ReplicaFailed
 from tidegate.metrics import WorkerMetrics
+from tidegate.worker.nvml_metrics import NvmlCollector, import_nvml, nvml_selector
 from tidegate.worker.scheduling import EmbeddingBatcher, SequenceScheduler
 
 log = logging.getLogger("tidegate.worker")
@@ -68,6 +71,8 @@ class Worker:
     created_at: float = field(default_factory=time.monotonic)
     on_fatal: Callable[[], None] | None = None  # the engine died: the process should go
     engine_failures: Counter = field(init=False)
+    load_nvml: Callable[[], Any] = import_nvml  # the NVML binding, for the GPU metrics
+    gpu_metrics: NvmlCollector | None = field(init=False, default=None)  # on CUDA only
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -77,6 +82,21 @@ class Worker:
             ["model"],
             registry=self.metrics.registry,
         )
+        # At 0 from the start, so that a rate over it exists before the first request.
+        self.metrics.tokenize.labels(self.settings.model)
+        self._export_gpu_metrics()
+
+    def _export_gpu_metrics(self) -> None:
+        """DCGM-named metrics of this worker's GPU, read from NVML at each scrape."""
+        device = self.settings.device
+        try:
+            selector = nvml_selector(device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        except ValueError as exc:
+            log.warning("worker %s exports no GPU metrics: %s", self.settings.model, exc)
+            return
+        if selector is not None:
+            self.gpu_metrics = NvmlCollector(self.settings.model, selector, self.load_nvml)
+            self.metrics.registry.register(self.gpu_metrics)
 
     @property
     def ready(self) -> bool:
@@ -267,3 +287,5 @@ class Worker:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.close)
+        if self.gpu_metrics is not None:
+            self.gpu_metrics.close()
