@@ -1,0 +1,110 @@
+"""What Prometheus needs to find the workers and to join their metrics to replicas.
+
+``GET /admin/prometheus/targets`` is a Prometheus HTTP service-discovery endpoint (the
+``http_sd_config`` format): one target group per live tidegate worker, its ``host:port``
+with the labels ``model``, ``replica`` and ``pool`` (and ``__scheme__`` /
+``__metrics_path__`` from its URL). A worker is live while it has an address and is not
+stopped or failed: a restarted worker is listed at its new address, a replica scaled in
+disappears, one scaled out appears once it has bound. Upstream servers (vLLM, SGLang, any
+OpenAI-compatible URL) are not listed: they are not tidegate workers and may not serve
+``/metrics``; scrape them with their own job. Admin role whenever keys are configured.
+
+``tidegate_replica_info{model,replica,pool,device,url}`` is 1 for every replica the gateway
+knows, read from the replica set at each scrape (a collector, so it can never lag behind):
+``device`` is where the orchestrator placed it (``cpu``, ``cuda:N`` or a declared device id;
+empty when unknown, as for upstreams), ``url`` its base URL (empty while it has none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+from fastapi import FastAPI, Request
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tidegate.gateway.auth import authorize_admin
+from tidegate.gateway.replicas import Replica, ReplicaState
+from tidegate.gateway.state import Gateway
+
+TARGETS_PATH = "/admin/prometheus/targets"
+REPLICA_INFO = "tidegate_replica_info"
+REPLICA_INFO_LABELS = ("model", "replica", "pool", "device", "url")
+_GONE = (ReplicaState.STOPPED, ReplicaState.FAILED)  # no process behind the address
+
+
+def add_observe_routes(app: FastAPI, gateway: Gateway) -> None:
+    """The service-discovery route, and ``tidegate_replica_info`` in the gateway's registry."""
+    gateway.metrics.registry.register(ReplicaInfoCollector(gateway))
+
+    @app.get(TARGETS_PATH)
+    async def prometheus_targets(request: Request) -> list[dict[str, Any]]:
+        """Prometheus http_sd targets: every live worker's /metrics."""
+        authorize_admin(gateway.config, request)
+        return scrape_targets(gateway)
+
+
+def scrape_targets(gateway: Gateway) -> list[dict[str, Any]]:
+    """One http_sd target group per live worker, ordered by model and replica id."""
+    groups = []
+    for model in sorted(gateway.replicas):
+        for replica in sorted(gateway.replicas[model], key=lambda r: r.id):
+            if replica.kind == "upstream" or replica.url is None or replica.state in _GONE:
+                continue
+            address = urlsplit(replica.url)
+            labels = {
+                "model": model,
+                "replica": replica.id,
+                "pool": replica.pool,
+                "__scheme__": address.scheme,
+                "__metrics_path__": address.path.rstrip("/") + "/metrics",
+            }
+            groups.append({"targets": [address.netloc], "labels": labels})
+    return groups
+
+
+class ReplicaInfoCollector(Collector):
+    """``tidegate_replica_info``: the replica set as it is when scraped."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def describe(self) -> Iterable[Metric]:
+        return [_family()]
+
+    def collect(self) -> Iterator[Metric]:
+        family = _family()
+        for model in sorted(self.gateway.replicas):
+            for replica in self.gateway.replicas[model]:
+                device = device_of(self.gateway, replica)
+                labels = (model, replica.id, replica.pool, device, replica.url or "")
+                family.add_metric(labels, 1.0)
+        yield family
+
+
+def device_of(gateway: Gateway, replica: Replica) -> str:
+    """Where an orchestrator placed ``replica``; empty when none of them says."""
+    orchestrators = list(gateway.orchestrators)
+    runner = getattr(gateway.controller, "orchestrator", None)
+    if runner is not None:
+        orchestrators.append(runner)
+    for orchestrator in orchestrators:
+        where = getattr(orchestrator, "device_of", None)
+        if where is None:
+            continue
+        try:
+            return str(where(replica.id))
+        except KeyError:  # not one of this orchestrator's replicas
+            continue
+    return ""
+
+
+def _family() -> GaugeMetricFamily:
+    return GaugeMetricFamily(
+        REPLICA_INFO,
+        "1 for each replica the gateway knows: where it runs (device) and its URL, to join "
+        "the workers' metrics (labelled model, replica, pool by service discovery).",
+        labels=REPLICA_INFO_LABELS,
+    )
