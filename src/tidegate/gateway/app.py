@@ -23,6 +23,7 @@ from tidegate.gateway.admin import add_admin_routes
 from tidegate.gateway.auth import authenticate, authorize_metrics
 from tidegate.gateway.dashboard import add_dashboard_routes
 from tidegate.gateway.forward import TASK_OF_PATH, proxy_request
+from tidegate.gateway.observe import add_observe_routes
 from tidegate.gateway.replicas import Replica
 from tidegate.gateway.state import Gateway
 
@@ -85,6 +86,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
 
     add_admin_routes(app, gateway)
     add_dashboard_routes(app, gateway)  # GET /dashboard: the live page (admin role)
+    add_observe_routes(app, gateway)  # Prometheus service discovery, tidegate_replica_info
 
     async def handle(request: Request) -> Response:
         return await proxy_request(gateway, request)
