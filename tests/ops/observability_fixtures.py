@@ -70,6 +70,11 @@ def load(tmp_path: Path, data: dict[str, object] | None = None) -> TidegateConfi
     return load_config(path)
 
 
+def grafana_to_promql(expr: str) -> str:
+    """A dashboard query as Prometheus runs it: all models, a 1 m rate window."""
+    return expr.replace("$__rate_interval", "1m").replace('"$model"', '".*"')
+
+
 def promtool() -> str:
     found = shutil.which("promtool")
     assert found is not None, PROMTOOL_FIX

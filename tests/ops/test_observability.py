@@ -22,6 +22,7 @@ from tests.ops.observability_fixtures import (
     COLD_START_S,
     HIGH_TIMEOUT_S,
     MAX_REPLICAS,
+    grafana_to_promql,
     load,
     run_promtool,
 )
@@ -183,11 +184,6 @@ def test_dashboard_has_the_live_pages_panels_and_a_datasource_variable(
             assert target["datasource"]["uid"] == "${datasource}"
     annotation = dashboard["annotations"]["list"][0]
     assert "tidegate_scale_events_total" in annotation["expr"]
-
-
-def grafana_to_promql(expr: str) -> str:
-    """A dashboard query as Prometheus runs it: all models, a 1 m rate window."""
-    return expr.replace("$__rate_interval", "1m").replace('"$model"', '".*"')
 
 
 def test_every_dashboard_query_parses(config: TidegateConfig, tmp_path: Path) -> None:

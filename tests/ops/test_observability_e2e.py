@@ -25,8 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.ops.observability_fixtures import config_dict, write_profile
-from tests.ops.test_observability import grafana_to_promql
+from tests.ops.observability_fixtures import config_dict, grafana_to_promql, write_profile
 from tests.procs import DEADLINE_S, gateway_process, stop, wait_for
 from tidegate.config import load_config
 from tidegate.ops.observability import (
