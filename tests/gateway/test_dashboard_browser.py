@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.gateway.test_dashboard import (
     ADMIN,
@@ -87,7 +89,7 @@ def chromium() -> str:
     return path
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
@@ -260,30 +262,62 @@ def idle(gateway: Proc) -> bool:
     return model["queued"] == 0 and all(r["in_flight"] == 0 for r in model["replicas"])
 
 
-def test_quantiles_are_prometheus_histogram_quantile(browser: Any) -> None:
+@pytest.fixture(scope="module")
+def page_script(browser: Any) -> Iterator[Any]:
+    """A blank page running the dashboard's script (no server: its polls fail, quietly)."""
     page = browser.new_page()
     page.set_content('<span id="status"></span>')
     script = (resources.files("tidegate.gateway") / "dashboard_assets/dashboard.js").read_text()
-    page.add_script_tag(content=script)  # no server: its polls fail, quietly
-    inf = math.inf
-    cases = [
-        # (q, cumulative buckets, Prometheus' answer)
-        (0.5, [(0.1, 10), (0.5, 20), (inf, 20)], 0.1),
-        (0.75, [(0.1, 10), (0.5, 20), (inf, 20)], 0.3),
-        (0.99, [(0.1, 10), (0.5, 20), (inf, 20)], 0.492),
-        (0.5, [(1, 4), (2, 4), (inf, 4)], 0.5),  # the first bucket starts at 0
-        (0.5, [(0.1, 0), (0.5, 0), (inf, 5)], 0.5),  # all above: the largest finite bound
-        (0.5, [(0.1, 0), (inf, 0)], math.nan),  # nothing observed
-    ]
-    for q, cumulative, expected in cases:
-        assert histogram_quantile(q, cumulative) == pytest.approx(expected, nan_ok=True)
-        js = [[le if le != inf else "Infinity", count] for le, count in cumulative]
-        got = page.evaluate(
-            "([q, b]) => window.tidegateDashboard.quantile(q, "
-            "b.map(([le, c]) => [le === 'Infinity' ? Infinity : le, c]))",
-            [q, js],
-        )
-        assert (got if got is not None else math.nan) == pytest.approx(expected, nan_ok=True)
+    page.add_script_tag(content=script)
+    yield page
+    page.close()
+
+
+def page_quantile(page: Any, q: float, cumulative: list[tuple[float, float]]) -> float:
+    got = page.evaluate(
+        "([q, b]) => window.tidegateDashboard.quantile(q, "
+        "b.map(([le, c]) => [le === 'Infinity' ? Infinity : le, c]))",
+        [q, [[le if le != math.inf else "Infinity", count] for le, count in cumulative]],
+    )
+    return math.nan if got is None else float(got)
+
+
+INF = math.inf
+
+
+@pytest.mark.parametrize(
+    ("q", "cumulative", "expected"),
+    [
+        pytest.param(0.5, [(0.1, 10), (0.5, 20), (INF, 20)], 0.1, id="at-a-bound"),
+        pytest.param(0.75, [(0.1, 10), (0.5, 20), (INF, 20)], 0.3, id="interpolated"),
+        pytest.param(0.99, [(0.1, 10), (0.5, 20), (INF, 20)], 0.492, id="p99"),
+        pytest.param(0.5, [(1, 4), (2, 4), (INF, 4)], 0.5, id="first-bucket-from-0"),
+        pytest.param(0.5, [(0.1, 0), (0.5, 0), (INF, 5)], 0.5, id="all-in-inf"),
+        pytest.param(0.5, [(0.1, 0), (INF, 0)], math.nan, id="nothing-observed"),
+    ],
+)
+def test_quantile_is_prometheus_histogram_quantile(
+    page_script: Any, q: float, cumulative: list[tuple[float, float]], expected: float
+) -> None:
+    """Prometheus' answers, worked by hand from promql/quantile.go, for the page and for the
+    oracle this module checks the page with."""
+    assert histogram_quantile(q, cumulative) == pytest.approx(expected, nan_ok=True)
+    assert page_quantile(page_script, q, cumulative) == pytest.approx(expected, nan_ok=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    q=st.sampled_from([0.5, 0.9, 0.95, 0.99]),
+    bounds=st.lists(st.floats(0.001, 100.0), min_size=1, max_size=8, unique=True),
+    counts=st.lists(st.integers(0, 50), min_size=9, max_size=9),
+)
+def test_page_quantile_agrees_with_the_oracle_on_any_histogram(
+    page_script: Any, q: float, bounds: list[float], counts: list[int]
+) -> None:
+    les = [*sorted(bounds), INF]
+    cumulative = [(le, float(sum(counts[: i + 1]))) for i, le in enumerate(les)]
+    expected = histogram_quantile(q, cumulative)
+    assert page_quantile(page_script, q, cumulative) == pytest.approx(expected, nan_ok=True)
 
 
 def test_page_shows_the_live_numbers_of_metrics_under_load(browser: Any, tmp_path: Path) -> None:
