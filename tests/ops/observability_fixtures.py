@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from tidegate.config import TidegateConfig, load_config
+from tidegate.ops.observability import RULES_FILE
 
 HIGH_TIMEOUT_S = 2.0
 COLD_START_S = 30.0
@@ -89,3 +93,62 @@ def run_promtool(*args: str, cwd: Path) -> str:
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"promtool {' '.join(args)} failed:\n{output}"
     return output
+
+
+@dataclass(frozen=True)
+class AlertCase:
+    """One alert against one series set: the alerts expected at ``eval_time``."""
+
+    name: str
+    alert: str
+    series: dict[str, str]
+    eval_time: str
+    fires: list[dict[str, str]] = field(default_factory=list)  # labels of each firing alert
+    values: list[str] = field(default_factory=list)  # its $value as its annotations print it
+
+
+_TEMPLATE = re.compile(r"\{\{\s*(\$labels\.(\w+)|\$value[^}]*)\s*\}\}")
+
+
+def expand(text: str, labels: dict[str, str], value: str) -> str:
+    """The alert's annotation as Prometheus prints it: its labels and its value."""
+    return _TEMPLATE.sub(lambda m: labels[m.group(2)] if m.group(2) else value, text)
+
+
+def annotations_of(rules: dict[str, Any], alert: str, labels: dict[str, str]) -> dict[str, str]:
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") != alert:
+                continue
+            if all(labels.get(k) == v for k, v in rule["labels"].items()):
+                return dict(rule["annotations"])
+    raise AssertionError(f"no {alert} rule with labels {labels}")
+
+
+def run_alert_case(case: AlertCase, rules: dict[str, Any], folder: Path) -> None:
+    """``promtool test rules``: ``case``'s alert fires exactly as it says over ``rules``."""
+    (folder / RULES_FILE).write_text(yaml.safe_dump(rules, sort_keys=False))
+    expected = []
+    for labels, value in zip(case.fires, case.values or [""] * len(case.fires), strict=True):
+        notes = annotations_of(rules, case.alert, labels)
+        expected.append(
+            {
+                "exp_labels": labels,
+                "exp_annotations": {k: expand(v, labels, value) for k, v in notes.items()},
+            }
+        )
+    test = {
+        "rule_files": [RULES_FILE],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": [{"series": s, "values": v} for s, v in case.series.items()],
+                "alert_rule_test": [
+                    {"eval_time": case.eval_time, "alertname": case.alert, "exp_alerts": expected}
+                ],
+            }
+        ],
+    }
+    (folder / "test.yaml").write_text(yaml.safe_dump(test, sort_keys=False))
+    run_promtool("test", "rules", "test.yaml", cwd=folder)

@@ -9,10 +9,7 @@ promtool too (as a recording rule); that they return data is the end-to-end test
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -22,8 +19,10 @@ from tests.ops.observability_fixtures import (
     COLD_START_S,
     HIGH_TIMEOUT_S,
     MAX_REPLICAS,
+    AlertCase,
     grafana_to_promql,
     load,
+    run_alert_case,
     run_promtool,
 )
 from tidegate.cli import app
@@ -204,18 +203,6 @@ def test_every_dashboard_query_parses(config: TidegateConfig, tmp_path: Path) ->
 
 
 # ----------------------------------------------------------------------------- alert unit tests
-
-
-@dataclass(frozen=True)
-class AlertCase:
-    """One alert against one series set: the alerts expected at ``eval_time``."""
-
-    name: str
-    alert: str
-    series: dict[str, str]
-    eval_time: str
-    fires: list[dict[str, str]] = field(default_factory=list)  # labels of each firing alert
-    values: list[str] = field(default_factory=list)  # its $value as its annotations print it
 
 
 def bucket(le: str, values: str, model: str = "chat", priority: str = "high") -> tuple[str, str]:
@@ -408,52 +395,9 @@ CASES = [
 ]
 
 
-_TEMPLATE = re.compile(r"\{\{\s*(\$labels\.(\w+)|\$value[^}]*)\s*\}\}")
-
-
-def expand(text: str, labels: dict[str, str], value: str) -> str:
-    """The alert's annotation as Prometheus prints it: its labels and its value."""
-    return _TEMPLATE.sub(lambda m: labels[m.group(2)] if m.group(2) else value, text)
-
-
-def annotations_of(rules: dict[str, Any], alert: str, labels: dict[str, str]) -> dict[str, str]:
-    for group in rules["groups"]:
-        for rule in group["rules"]:
-            if rule.get("alert") != alert:
-                continue
-            if all(labels.get(k) == v for k, v in rule["labels"].items()):
-                return dict(rule["annotations"])
-    raise AssertionError(f"no {alert} rule with labels {labels}")
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_alert_unit(case: AlertCase, config: TidegateConfig, tmp_path: Path) -> None:
-    rules = render_rules(config)
-    (tmp_path / RULES_FILE).write_text(yaml.safe_dump(rules, sort_keys=False))
-    expected = []
-    for labels, value in zip(case.fires, case.values or [""] * len(case.fires), strict=True):
-        notes = annotations_of(rules, case.alert, labels)
-        expected.append(
-            {
-                "exp_labels": labels,
-                "exp_annotations": {k: expand(v, labels, value) for k, v in notes.items()},
-            }
-        )
-    test = {
-        "rule_files": [RULES_FILE],
-        "evaluation_interval": "15s",
-        "tests": [
-            {
-                "interval": "15s",
-                "input_series": [{"series": s, "values": v} for s, v in case.series.items()],
-                "alert_rule_test": [
-                    {"eval_time": case.eval_time, "alertname": case.alert, "exp_alerts": expected}
-                ],
-            }
-        ],
-    }
-    (tmp_path / "test.yaml").write_text(yaml.safe_dump(test, sort_keys=False))
-    run_promtool("test", "rules", "test.yaml", cwd=tmp_path)
+    run_alert_case(case, render_rules(config), tmp_path)
 
 
 def test_every_alert_has_a_firing_and_a_silent_case() -> None:

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.ops.observability_fixtures import run_promtool
+from tests.ops.observability_fixtures import AlertCase, load, run_alert_case, run_promtool
 from tidegate.config import load_config
 from tidegate.control.k8s import MONITORING_FILE, Manifests, render_manifests, write_manifests
 from tidegate.control.k8s_objects import RenderOptions
-from tidegate.ops.observability import alert_names, render_dashboard, render_rules
+from tidegate.ops.observability import ScaleSource, alert_names, render_dashboard, render_rules
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "autoscaling.yaml"
@@ -142,3 +142,55 @@ def test_monitoring_objects_go_to_their_own_file(manifests: Manifests, tmp_path:
         "PrometheusRule",
         "ServiceMonitor",
     ]
+
+
+# ----------------------------------------------------------------------------- HPA-read alerts
+
+HPA = "tidegate-chat-shared"
+
+
+def hpa_desired(values: str) -> dict[str, str]:
+    labels = f'namespace="{NAMESPACE}",horizontalpodautoscaler="{HPA}"'
+    return {f"kube_horizontalpodautoscaler_status_desired_replicas{{{labels}}}": values}
+
+
+def queued(values: str) -> dict[str, str]:
+    return {'tidegate_queue_depth{job="tidegate-gateway",model="chat",priority="low"}': values}
+
+
+CHAT = {"model": "chat"}
+K8S_CASES = [
+    AlertCase(
+        "the HPA's count goes up and down twice",
+        "TidegateReplicasFlapping",
+        hpa_desired("1x4 2x4 1x4 2x4 1x20"),
+        "6m",
+        [{**CHAT, "severity": "warning"}],
+    ),
+    AlertCase(
+        "the HPA scales up twice",
+        "TidegateReplicasFlapping",
+        hpa_desired("1x4 2x4 3x30"),
+        "6m",
+    ),
+    AlertCase(
+        "backlog grows, the HPA stays",
+        "TidegateBacklogWithoutScaleUp",
+        {**queued("0+1x60"), **hpa_desired("1x60")},
+        "10m",
+        [{**CHAT, "severity": "critical"}],
+        ["40"],
+    ),
+    AlertCase(
+        "backlog grows, the HPA scaled up",
+        "TidegateBacklogWithoutScaleUp",
+        {**queued("0+1x60"), **hpa_desired("1x32 2x28")},
+        "10m",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", K8S_CASES, ids=[c.name for c in K8S_CASES])
+def test_alert_unit_on_the_hpas_series(case: AlertCase, tmp_path: Path) -> None:
+    rules = render_rules(load(tmp_path), ScaleSource(NAMESPACE, (("chat", HPA),)))
+    run_alert_case(case, rules, tmp_path)

@@ -363,9 +363,13 @@ def render_rules(config: TidegateConfig, source: ScaleSource | None = None) -> d
     source = source or ScaleSource()
     alerts = [*_model_alerts(config), *_fleet_alerts(config)]
     return {
+        # One group: its rules run in order at each evaluation, so an alert reads the
+        # recorded series of the same evaluation (across groups it may read the last one).
         "groups": [
-            {"name": "tidegate.recording", "rules": _recording_rules(source)},
-            {"name": "tidegate.alerts", "rules": [alert.rule() for alert in alerts]},
+            {
+                "name": "tidegate",
+                "rules": _recording_rules(source) + [alert.rule() for alert in alerts],
+            }
         ]
     }
 
