@@ -121,6 +121,18 @@ def test_every_alert_is_rendered_with_its_doctor_rule_and_fix(config: TidegateCo
             assert rule["labels"]["severity"] in ("critical", "warning")
 
 
+def test_every_doctor_annotation_names_doctor_rules(config: TidegateConfig) -> None:
+    from tidegate.core.diagnose import RULE_NAMES
+
+    for group in render_rules(config)["groups"]:
+        for rule in group["rules"]:
+            if "alert" in rule:
+                named = rule["annotations"]["doctor"].split(",")
+                assert set(named) <= set(RULE_NAMES), (rule["alert"], named)
+                for name in named:
+                    assert name in rule["annotations"]["description"], rule["alert"]
+
+
 def test_slo_per_level_comes_from_the_config(config: TidegateConfig) -> None:
     chat, embed = config.models["chat"], config.models["embed"]
     assert level_slo_s(config, chat, "high") == HIGH_TIMEOUT_S  # its queue timeout
