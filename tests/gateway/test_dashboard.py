@@ -41,8 +41,11 @@ def _sha(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def write_config(tmp_path: Path, *, autoscaling: dict[str, Any] | None = None) -> Path:
-    """Simulated embeddings (20 ms a batch of up to 4), an admin key and a user key."""
+def write_config(
+    tmp_path: Path, *, autoscaling: dict[str, Any] | None = None, chat: bool = False
+) -> Path:
+    """Simulated embeddings (20 ms a batch of up to 4), an admin key and a user key; with
+    ``chat``, a simulated generation model too (20 ms to the first token, 5 ms a token)."""
     profile = flat_profile(tmp_path / "profile.json", 20.0)
     model: dict[str, Any] = {
         "name": "sim",
@@ -55,8 +58,19 @@ def write_config(tmp_path: Path, *, autoscaling: dict[str, Any] | None = None) -
     }
     if autoscaling is not None:
         model["autoscaling"] = autoscaling
+    models = [model]
+    if chat:
+        models.append(
+            {
+                "name": "chat",
+                "task": "generate",
+                "engine": "simulated",
+                "profile": str(flat_profile(tmp_path / "chat.json", 5.0, task="generate")),
+                "replicas": 1,
+            }
+        )
     config = {
-        "models": [model],
+        "models": models,
         "keys": [
             {"name": "ops", "sha256": _sha(ADMIN_KEY), "role": "admin"},
             {

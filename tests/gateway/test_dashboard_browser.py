@@ -57,7 +57,8 @@ STATUS_OF = {
     "invalid": "4xx",
 }
 NOTHING = "\N{EN DASH}"  # what the page shows where nothing happened in the window
-LOAD = {"high": 3, "medium": 2, "low": 3}  # client threads per priority
+LOAD = {"high": 3, "medium": 2, "low": 3}  # embedding client threads per priority
+CHAT_CLIENTS = 2  # streaming chat clients (high): the TTFT series
 # Reads every number cell, the chart's last points and the markers in one go: the page
 # re-renders between two separate reads.
 READ_PAGE = """() => {
@@ -210,6 +211,7 @@ class Load:
             for priority, clients in LOAD.items()
             for _ in range(clients)
         ]
+        self._threads += [threading.Thread(target=self._chat) for _ in range(CHAT_CLIENTS)]
 
     def __enter__(self) -> Load:
         for thread in self._threads:
@@ -236,11 +238,30 @@ class Load:
                 with self._lock:
                     self.statuses[answer.status_code] += 1
 
+    def _chat(self) -> None:
+        headers = {"Authorization": f"Bearer {USER_KEY}"}
+        payload = {
+            "model": "chat",
+            "messages": [{"role": "user", "content": "tide?"}],
+            "max_tokens": 8,
+            "stream": True,
+        }
+        with httpx.Client(headers=headers, timeout=DEADLINE_S) as client:
+            while not self._stop.is_set():
+                url = f"{self.url}/v1/chat/completions"
+                with client.stream("POST", url, json=payload) as answer:
+                    for _ in answer.iter_lines():
+                        pass
+                with self._lock:
+                    self.statuses[answer.status_code] += 1
+
 
 def scaling_config(tmp_path: Path) -> Path:
-    """One replica that scales to two under the load (and not back during the test)."""
+    """One replica that scales to two under the load (and not back during the test), and a
+    chat model of one replica."""
     return write_config(
         tmp_path,
+        chat=True,
         autoscaling={
             "min_replicas": 1,
             "max_replicas": 2,
@@ -258,8 +279,10 @@ def metrics(gateway: Proc) -> dict[Any, float]:
 
 def idle(gateway: Proc) -> bool:
     described = httpx.get(f"{gateway.url}/admin/replicas", headers=ADMIN, timeout=DEADLINE_S)
-    (model,) = described.json().values()
-    return model["queued"] == 0 and all(r["in_flight"] == 0 for r in model["replicas"])
+    return all(
+        model["queued"] == 0 and all(r["in_flight"] == 0 for r in model["replicas"])
+        for model in described.json().values()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -349,8 +372,8 @@ def check_under_load(page: Any, fetched: list[Any], gateway: Proc, load: Load) -
     page.wait_for_function(
         """() => document.querySelectorAll(
              '#chart-replicas .scale-event[data-direction="up"]').length > 0
-           && document.querySelectorAll('#replica-table td.state-ready').length == 2
-           && document.querySelectorAll('#resource-table td[data-k="cpu_pct"]').length == 2
+           && document.querySelectorAll('#replica-table td.state-ready').length == 3
+           && document.querySelectorAll('#resource-table td[data-k="cpu_pct"]').length == 3
            && Number(document.body.dataset.polls) >= 3""",
         timeout=DEADLINE_MS,
     )
@@ -364,6 +387,8 @@ def check_under_load(page: Any, fetched: list[Any], gateway: Proc, load: Load) -
     for key, value in expected.items():
         assert_cell(shown["cells"], key, value)
     assert max(expected[f"traffic-table|sim/{p}|qps"] or 0 for p in LOAD) > 0
+    # Streamed chat has a time to first token: a number on the page, not "n/a" nor "-".
+    assert math.isfinite(expected["traffic-table|chat/high|ttft_p99"] or math.nan)
     assert "up" in shown["markers"]
     # Charts: their last points are the table's numbers of the same poll.
     for priority in LOAD:
@@ -394,9 +419,9 @@ def check_when_idle(page: Any, fetched: list[Any], gateway: Proc, load: Load) ->
     totals: Counter[str] = Counter()
     for (name, labels), value in now.items():
         row = dict(labels)
-        if name == "tidegate_requests_total" and row["model"] == "sim":
+        if name == "tidegate_requests_total":
             status = STATUS_OF.get(row["outcome"], "other")
-            totals[f"outcome-table|sim/{row['priority']}|total:{status}"] += value
+            totals[f"outcome-table|{row['model']}/{row['priority']}|total:{status}"] += value
         elif name == "tidegate_queue_depth":
             key = f"traffic-table|{row['model']}/{row['priority']}|queue_depth"
             assert float(shown["cells"][key]["value"]) == value == 0
