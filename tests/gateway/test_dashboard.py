@@ -19,10 +19,12 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.harness import flat_profile, gateway_client, sim_config, sim_worker
 from tests.procs import DEADLINE_S, Proc, gateway_process
+from tidegate.gateway.dashboard import doctor_findings
 
 pytestmark = pytest.mark.e2e
 
@@ -206,9 +208,12 @@ def test_snapshot_describes_each_replica_from_its_own_metrics(served: Proc) -> N
     assert replica["process"]["source"] in ("metrics", "psutil")
     assert replica["process"]["cpu_seconds"] > 0
     assert replica["process"]["rss_bytes"] > 0
-    assert data["doctor"]["available"] in (True, False)
-    if not data["doctor"]["available"]:
-        assert data["doctor"]["reason"] == "doctor not available"
+    # Doctor's findings as GET /admin/doctor gives them, less the running config.
+    doctor = get(served, "/admin/doctor", ADMIN).json()
+    assert data["doctor"]["available"] is True
+    assert set(data["doctor"]) == {"available", "findings", "window_s", "at", "not_measured"}
+    assert isinstance(data["doctor"]["findings"], list)
+    assert "config" in doctor
 
 
 def _closed_port() -> str:
@@ -238,6 +243,26 @@ async def test_a_replica_without_metrics_costs_only_its_own_cells(tmp_path: Path
     assert gone["samples"] is None
     assert gone["metrics_error"] == "/metrics unreachable"
     assert gone["process"] is None  # an upstream: no pid to measure
+
+
+@pytest.mark.asyncio
+async def test_doctor_panel_says_why_when_there_are_no_findings_to_show() -> None:
+    """``doctor_findings`` against apps without a doctor (404) and with a broken one (500)."""
+    without = FastAPI()
+    broken = FastAPI()
+
+    @broken.get("/admin/doctor")
+    async def failing() -> dict[str, Any]:
+        raise RuntimeError("a bug in a rule")
+
+    assert await doctor_findings(without, None) == {
+        "available": False,
+        "reason": "doctor not available",
+    }
+    assert await doctor_findings(broken, "sk-any") == {
+        "available": False,
+        "reason": "doctor answered 500",
+    }
 
 
 def test_snapshot_is_json_that_the_page_can_read(served: Proc) -> None:
