@@ -122,7 +122,9 @@ CASES = [
     ),
     Case(
         "peak_far_over_its_ask_is_a_memory_jump",
-        replace(HEALTHY, replicas=(ReplicaWindow("r0", memory_peak_mb=3000),)),
+        replace(
+            HEALTHY, replicas=(ReplicaWindow("r0", memory_peak_mb=3000, memory_device="cuda:0"),)
+        ),
         "memory_jump",
         _config(),
         ("-  memory_mb: 1000", "+  memory_mb: 3750"),
@@ -305,6 +307,24 @@ def test_critical_ranks_first_and_sets_exit_status_2() -> None:
     assert diagnosis.findings[0].rule == "high_priority_shed"
     assert diagnosis.exit_status == 2
     assert diagnose(Snapshot(60.0, (HEALTHY,), _config())).exit_status == 0
+
+
+@pytest.mark.parametrize(
+    ("device", "devices", "severity"),
+    [
+        ("cuda:0", [], "critical"),
+        ("cpu", [{"id": "host", "memory_mb": 4000}], "critical"),
+        ("cpu", [], "warning"),
+    ],
+)
+def test_a_memory_jump_is_critical_where_placement_counts_memory(
+    device: str, devices: list[dict[str, Any]], severity: str
+) -> None:
+    grown = replace(
+        HEALTHY, replicas=(ReplicaWindow("r0", memory_peak_mb=3000, memory_device=device),)
+    )
+    (finding,) = diagnose(Snapshot(60.0, (grown,), {**_config(), "devices": devices})).findings
+    assert (finding.rule, finding.severity) == ("memory_jump", severity)
 
 
 def test_rules_without_their_metric_are_listed_as_not_measured() -> None:

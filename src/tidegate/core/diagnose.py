@@ -67,6 +67,7 @@ class ReplicaWindow:
     gpu_util_pct: float | None = None  # DCGM_FI_DEV_GPU_UTIL
     device_free_mb: float | None = None  # DCGM_FI_DEV_FB_FREE
     memory_peak_mb: float | None = None  # tidegate_engine_memory_bytes{kind=peak}
+    memory_device: str = ""  # its device label: cuda:N, or cpu (the peak is then the RSS)
     tokenize_s: float | None = None  # tidegate_tokenize_seconds_sum, in the window
     cpu_s: float | None = None  # process_cpu_seconds_total, in the window
 
@@ -335,9 +336,12 @@ def rule_memory(m: ModelWindow, s: Snapshot, t: Thresholds) -> Finding | None:
         numbers["device_free_mb"] = top.device_free_mb
     new_ask = math.ceil(peak * 1.25)
     if share >= t.memory_jump:
+        # Overcommitted placement is an outage on a GPU or a declared device; on a host
+        # whose memory nothing places by (devices: auto on CPU) it is a warning.
+        placed = top.memory_device.startswith("cuda") or bool(s.config.get("devices"))
         return Finding(
             "memory_jump",
-            "critical",
+            "critical" if placed else "warning",
             m.model,
             f"{m.model}: replica {top.replica} peaks at {peak:.0f} MB, {share:.0%} of the "
             f"{ask_mb:.0f} MB it asks",

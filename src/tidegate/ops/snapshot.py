@@ -184,6 +184,7 @@ def _replica_window(w: _Window, model: str, replica: str, info: Mapping[str, str
     m = {"model": model, "replica": replica}
     batch_mean_s, num_batches = w.mean("tidegate_batch_duration_seconds", **m)
     peak = w.gauge("tidegate_engine_memory_bytes", kind="peak", **m)
+    devices = w.label_values("tidegate_engine_memory_bytes", "device", kind="peak", **m)
     tokenize = w.series("tidegate_tokenize_seconds_sum", **m)
     cpu = w.series("process_cpu_seconds_total", replica=replica)
     return ReplicaWindow(
@@ -196,6 +197,7 @@ def _replica_window(w: _Window, model: str, replica: str, info: Mapping[str, str
         gpu_util_pct=w.gauge("DCGM_FI_DEV_GPU_UTIL", replica=replica),
         device_free_mb=w.gauge("DCGM_FI_DEV_FB_FREE", replica=replica),
         memory_peak_mb=None if peak is None else peak / MB,
+        memory_device=devices[0] if devices else "",
         tokenize_s=w.delta("tidegate_tokenize_seconds_sum", **m) if tokenize else None,
         cpu_s=w.delta("process_cpu_seconds_total", replica=replica) if cpu else None,
     )
