@@ -20,10 +20,12 @@ from tests.ops.observability_fixtures import (
     HIGH_TIMEOUT_S,
     MAX_REPLICAS,
     AlertCase,
+    config_dict,
     grafana_to_promql,
     load,
     run_alert_case,
     run_promtool,
+    write_profile,
 )
 from tidegate.cli import app
 from tidegate.config import TidegateConfig
@@ -160,6 +162,19 @@ def test_scrape_config_reaches_workers_through_the_gateway(config: TidegateConfi
     sd = jobs["tidegate-workers"]["http_sd_configs"][0]
     assert sd["url"] == "http://127.0.0.1:8000/admin/prometheus/targets"
     assert jobs["tidegate-workers"]["honor_labels"] is True
+    assert "authorization" not in jobs["tidegate-gateway"]  # no keys: an open service
+
+
+def test_scrape_config_with_keys_sends_the_admin_key_as_bearer(tmp_path: Path) -> None:
+    from tidegate.ops.observability import ADMIN_KEY_FILE, render_scrape_config
+
+    data = config_dict(write_profile(tmp_path / "profile.json"))
+    data["keys"] = [{"name": "ops", "sha256": "0" * 64, "role": "admin"}]
+    scrape = render_scrape_config(load(tmp_path, data))
+    expected = {"type": "Bearer", "credentials_file": ADMIN_KEY_FILE}
+    gateway, workers = scrape["scrape_configs"]
+    assert gateway["authorization"] == expected
+    assert workers["http_sd_configs"][0]["authorization"] == expected
 
 
 # ----------------------------------------------------------------------------- dashboard

@@ -11,6 +11,7 @@ gateway are always killed. Waits are for conditions, with generous deadlines.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import shutil
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from tests.ops.observability_fixtures import config_dict, grafana_to_promql, wri
 from tests.procs import DEADLINE_S, gateway_process, stop, wait_for
 from tidegate.config import load_config
 from tidegate.ops.observability import (
+    ADMIN_KEY_FILE,
     RULES_FILE,
     SCRAPE_FILE,
     panel_queries,
@@ -46,6 +48,7 @@ PROMETHEUS_FIX = (
 ALERT = "TidegateHighPriorityShed"
 # Series only a worker on a CUDA device exports (NVML): these simulated workers run on cpu.
 GPU_ONLY = "DCGM_FI_"
+ADMIN_KEY = "sk-observability-e2e"
 CLEAR_DEADLINE_S = 300.0  # the alert's 1 m rate window, then evaluation, on a busy machine
 
 
@@ -56,8 +59,12 @@ def free_port() -> int:
 
 
 def overload_config(tmp_path: Path) -> Path:
-    """One autoscaled model, slow, one slot per replica and a queue of two."""
+    """One autoscaled model, slow, one slot per replica and a queue of two; an admin key
+    guards /metrics and /admin/*, so Prometheus must use the rendered credentials."""
     data = config_dict(write_profile(tmp_path / "profile.json", latency_ms=200))
+    data["gateway"] = {"metrics_auth": "admin"}
+    digest = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
+    data["keys"] = [{"name": "ops", "sha256": digest, "role": "admin", "max_priority": "high"}]
     chat = data["models"][0]  # type: ignore[index]
     chat.update(
         {
@@ -96,6 +103,7 @@ def prometheus(folder: Path, gateway_url: str) -> Iterator[str]:
         {"url": f"{gateway_url}/admin/prometheus/targets", "refresh_interval": "1s"}
     )
     (folder / SCRAPE_FILE).write_text(yaml.safe_dump(scrape, sort_keys=False))
+    (folder / ADMIN_KEY_FILE).write_text(ADMIN_KEY)
     port = free_port()
     log = (folder / "prometheus.log").open("w")
     process = subprocess.Popen(
@@ -176,7 +184,7 @@ class Burst:
                 answer = client.post(
                     f"{self.url}/v1/embeddings",
                     json={"model": "chat", "input": "tide"},
-                    headers={"X-Priority": "high"},
+                    headers={"X-Priority": "high", "Authorization": f"Bearer {ADMIN_KEY}"},
                 )
                 with self._lock:
                     self.statuses[answer.status_code] += 1

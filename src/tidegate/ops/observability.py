@@ -390,7 +390,8 @@ def render_scrape_config(config: TidegateConfig) -> dict[str, Any]:
     def auth() -> dict[str, Any]:  # /admin/* (and maybe /metrics) need an admin key
         if not config.keys:
             return {}
-        return {"authorization": {"credentials_file": ADMIN_KEY_FILE}}
+        # type spelled out: Prometheus 2.42 sends an http_sd's credentials without one
+        return {"authorization": {"type": "Bearer", "credentials_file": ADMIN_KEY_FILE}}
 
     return {
         "global": {"scrape_interval": "15s", "evaluation_interval": "15s"},
