@@ -15,6 +15,8 @@ one in docs/images/dashboard.png).
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
 import os
 import shutil
@@ -42,6 +44,7 @@ from tests.procs import DEADLINE_S, Proc, gateway_process, wait_for
 
 pytestmark = pytest.mark.e2e
 
+ASSET_TYPES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 DEADLINE_MS = DEADLINE_S * 2 * 1000  # the page's waits: a scale-up starts a process
 STATUS_OF = {
     "completed": "200",
@@ -341,6 +344,94 @@ def test_page_quantile_agrees_with_the_oracle_on_any_histogram(
     cumulative = [(le, float(sum(counts[: i + 1]))) for i, le in enumerate(les)]
     expected = histogram_quantile(q, cumulative)
     assert page_quantile(page_script, q, cumulative) == pytest.approx(expected, nan_ok=True)
+
+
+FINDING = {
+    "rule": "rejection_storm",
+    "severity": "critical",
+    "model": "emb",
+    "symptom": "emb: 120 of 400 requests answered 429 (2.0/s)",
+    "numbers": {"refused": 120, "total": 400},
+    "cause": "admission refuses a large share of what arrives",
+    "fix": "raise queue.max_size or add replicas",
+    "config_diff": "-    max_size: 10\n+    max_size: 100\n",
+    "impact": 0.3,
+}
+
+
+def fake_snapshot(at: float) -> dict[str, Any]:
+    """What a gateway with one upstream that exports nothing, and one finding, answers."""
+    return {
+        "at": at,
+        "poll_interval_s": 0.2,
+        "window_s": 10.0,
+        "history_s": 600.0,
+        "levels": ["high"],
+        "models": {"emb": {"task": "embeddings", "pools": ["default"]}},
+        "samples": [],
+        "replicas": [
+            {
+                "id": "emb-0",
+                "model": "emb",
+                "pool": "default",
+                "kind": "upstream",
+                "url": "http://10.0.0.5:8000",
+                "state": "ready",
+                "slots": 8,
+                "in_flight": 0,
+                "restarts": 0,
+                "pid": None,
+                "startup_s": None,
+                "samples": None,
+                "metrics_error": "/metrics unreachable",
+                "process": None,
+            }
+        ],
+        "scale_events": [],
+        "doctor": {"available": True, "findings": [FINDING], "window_s": 60.0, "at": at},
+    }
+
+
+def test_page_shows_findings_and_what_a_replica_does_not_export(browser: Any) -> None:
+    """The page over a gateway faked at the HTTP boundary: its own assets, a crafted
+    snapshot per poll."""
+    assets = resources.files("tidegate.gateway") / "dashboard_assets"
+    polls = itertools.count()
+    problems: list[str] = []
+
+    def answer(route: Any) -> None:
+        path = route.request.url.removeprefix("http://gateway.test")
+        if path == "/dashboard/data":
+            body = json.dumps(fake_snapshot(1_700_000_000.0 + next(polls)))
+            route.fulfill(body=body, content_type="application/json")
+        elif path == "/dashboard":
+            route.fulfill(body=(assets / "index.html").read_text(), content_type="text/html")
+        else:
+            name = path.removeprefix("/dashboard/assets/")
+            route.fulfill(body=(assets / name).read_text(), content_type=ASSET_TYPES[name])
+
+    page = browser.new_page()
+    try:
+        page.on("console", lambda m: m.type == "error" and problems.append(m.text))
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page.route("http://gateway.test/**", answer)
+        page.goto("http://gateway.test/dashboard")
+        page.wait_for_function("() => Number(document.body.dataset.polls) >= 2")
+        finding = page.locator('.finding[data-severity="critical"][data-rule="rejection_storm"]')
+        text = finding.inner_text()
+        for part in ("(emb)", FINDING["symptom"], FINDING["cause"], FINDING["fix"], "refused 120"):
+            assert part in text
+        assert finding.locator("pre").inner_text() == FINDING["config_diff"]
+        row = page.locator('#resource-table tr[data-replica="emb-0"]')
+        cells = row.locator("td[data-k]").all_inner_texts()
+        assert cells == ["n/a"] * 6
+        assert row.locator("td").last.inner_text() == "/metrics unreachable"
+        startup = page.locator('#startup-table tr[data-replica="emb-0"] td[data-k]')
+        assert startup.all_inner_texts() == ["n/a"] * 4
+        assert page.locator("#batch-charts").inner_text() == "emb: n/a (no batch metrics)"
+    finally:
+        page.close()
+    assert problems == []
 
 
 def test_page_shows_the_live_numbers_of_metrics_under_load(browser: Any, tmp_path: Path) -> None:

@@ -429,7 +429,7 @@
     node.replaceChildren(...findings.map((f) => el("div",
       {class: "finding", "data-severity": f.severity, "data-rule": f.rule},
       el("div", {}, el("span", {class: "severity"}, f.severity), el("strong", {}, f.rule),
-         " — ", f.symptom || ""),
+         f.model ? ` (${f.model})` : "", " — ", f.symptom || ""),
       f.numbers ? el("div", {class: "muted"}, numbersText(f.numbers)) : "",
       f.cause ? el("div", {}, "cause: ", f.cause) : "",
       f.fix ? el("div", {}, "fix: ", f.fix) : "",
