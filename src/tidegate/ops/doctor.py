@@ -183,6 +183,10 @@ def prometheus_snapshot(url: str, range_s: float, config: Mapping[str, Any]) -> 
             if body.get("status") != "success":
                 raise DoctorError(f"{where}: {body.get('error') or response.status_code}")
             ends.append(prometheus_samples(body["data"]["result"]))
+    # Rates over the part of the range the processes were up: a gateway started ten
+    # minutes ago has no older samples, and its storm is not spread over six hours.
+    started = [v for (name, _), v in ends[1].items() if name == "process_start_time_seconds"]
+    window_s = min(range_s, end - min(started)) if started else range_s
     replicas: dict[str, dict[str, dict[str, str]]] = {}
     for (name, labels), _ in ends[1].items():
         if name == "tidegate_replica_info":
@@ -191,7 +195,7 @@ def prometheus_snapshot(url: str, range_s: float, config: Mapping[str, Any]) -> 
                 "pool": d.get("pool", ""),
                 "url": d.get("url", ""),
             }
-    return build_snapshot(ends[0], ends[1], range_s, config, base, replicas)
+    return build_snapshot(ends[0], ends[1], max(window_s, 1.0), config, base, replicas)
 
 
 def report_snapshots(path: Path, config: Mapping[str, Any]) -> list[Snapshot]:

@@ -43,7 +43,7 @@ WORKER_PREFIXES = (
 )
 QUERY = (
     '{__name__=~"tidegate_.+|inference_queue_depth|DCGM_FI_DEV_.+|process_cpu_seconds_total'
-    '|process_resident_memory_bytes"}'
+    '|process_resident_memory_bytes|process_start_time_seconds"}'
 )
 
 
