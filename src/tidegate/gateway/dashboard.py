@@ -113,7 +113,8 @@ def add_dashboard_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/dashboard/data", include_in_schema=False)
     async def dashboard_data(request: Request) -> Response:
         async def data(token: str | None) -> Response:
-            return JSONResponse(await snapshot(gateway, app, token))
+            found = await snapshot(gateway, app, token)
+            return JSONResponse(found, headers={"Cache-Control": "no-store"})
 
         return await as_admin(request, data)
 
