@@ -31,7 +31,7 @@ hpa-default at equal or lower GPU-hours.
 
 Run (a few minutes on 2 cores):
     .venv/bin/python benchmarks/bench_autoscale.py [--profile P] [--speedup 48]
-        [--peak-replicas 8] [--json out.json]
+        [--peak-replicas 8] [--json out.json] [--quick] [--verdict v.json]
 Prints a markdown table and PASS/MISS lines; exits 1 only when the profile is missing.
 """
 
@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from summary import write_verdicts
 from tidegate.config import parse_config
 from tidegate.sim.command import compress_lifecycle
 from tidegate.sim.fleet import Lifecycle
@@ -222,7 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
+def report(args: argparse.Namespace, out: dict[str, Any]) -> list[str]:
     rows = {row["variant"]: row for row in out["rows"]}
     print(
         f"# bench_autoscale {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, "
@@ -250,15 +251,15 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
     saved = 1 - ours["gpu_hours"] / static["gpu_hours"]
     first = saved >= 0.40 and ours["high_slo"] >= 0.99
     second = ours["misses"] < hpa["misses"] and ours["gpu_hours"] <= hpa["gpu_hours"]
-    print(
-        f"\n{'PASS' if first else 'MISS'}: {saved * 100:.1f}% fewer GPU-hours than static peak "
-        f"(target >= 40%) at {ours['high_slo'] * 100:.2f}% high SLO attainment (target >= 99%)"
-    )
-    print(
+    lines = [
+        f"{'PASS' if first else 'MISS'}: {saved * 100:.1f}% fewer GPU-hours than static peak "
+        f"(target >= 40%) at {ours['high_slo'] * 100:.2f}% high SLO attainment (target >= 99%)",
         f"{'PASS' if second else 'MISS'}: {ours['misses']:,} SLO misses (all levels) vs "
         f"hpa-default {hpa['misses']:,}, at {ours['gpu_hours']:.1f} vs {hpa['gpu_hours']:.1f} "
-        "GPU-hours (target: fewer misses at equal or lower GPU-hours)"
-    )
+        "GPU-hours (target: fewer misses at equal or lower GPU-hours)",
+    ]
+    print("\n" + "\n".join(lines))
+    return lines
 
 
 def main() -> int:
@@ -268,7 +269,13 @@ def main() -> int:
     parser.add_argument("--peak-replicas", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--verdict", type=Path, help="write the PASS/MISS rows as JSON here")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: the day 4x more compressed"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.speedup *= 4
     if not args.profile.is_file():
         print(
             f"no profile at {args.profile}: measure one first with `tidegate profile --model "
@@ -277,7 +284,7 @@ def main() -> int:
         )
         return 1
     out = run(args)
-    report(args, out)
+    write_verdicts(args.verdict, "bench_autoscale", report(args, out))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0

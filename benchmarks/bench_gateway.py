@@ -46,10 +46,12 @@ measure httpx, not the servers). Requests are ``POST /v1/embeddings`` of one sen
 Run (about 4 to 5 minutes; ``--quick``: a smoke run of about 2, whose 5 s of overload are too
 short for fifo's queue to fill, so its verdicts mean little):
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_gateway.py [--quick] [--skip-peer]
-        [--ray-python /tmp/rayvenv/bin/python] [--out results.json]
+        [--ray-python /tmp/rayvenv/bin/python] [--out results.json] [--verdict verdict.json]
 The peer needs a venv of its own (see benchmarks/peers/ray_serve_minilm.py); without it, or
 when it fails, the peer column is reported missing with the reason. Prints markdown tables,
-then PASS/MISS lines; always exits 0. Every process it starts is stopped at the end.
+then PASS/MISS lines (``--verdict``: also as JSON rows, for ``benchmarks/summary.py``); always
+exits 0. Every process it starts is stopped at the end. The load client, the drivers and the
+process handling are ``benchmarks/loadgen.py``'s, as in every benchmark.
 """
 
 from __future__ import annotations
@@ -57,17 +59,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
 import datetime as dt
 import json
 import math
 import os
 import platform
-import random
-import selectors
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -75,22 +71,20 @@ import time
 import traceback
 from array import array
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-TIDEGATE = str(Path(sys.executable).with_name("tidegate"))
+import loadgen as lg
+from loadgen import Child, cpu_s, fmt, ms, percentile, ratio, session_cpu_s, stop
+from summary import write_verdicts
+
 PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "ray_serve_minilm.py"
 DEFAULT_RAY_PYTHON = "/tmp/rayvenv/bin/python"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+
 
 MAX_BATCH = 32
 WINDOW_MS = 5.0
@@ -109,301 +103,22 @@ OVERHEAD_CONCURRENCY = (1, 64)
 CAPACITY_CONCURRENCY = 128
 MAX_OPEN_LOOP_REQUESTS = 40_000
 REQUEST_TIMEOUT_S = 60.0
-READY_TIMEOUT_S = 180.0
 PEER_READY_TIMEOUT_S = 240.0
-
-NOISY_CORES = 0.25  # CPU of other processes above this during a measurement: flagged
 TARGET_ADDED_P50_MS = 1.0
 TARGET_OF_DIRECT = 0.70
 TARGET_HIGH_P99_X = 5.0
 TARGET_THROUGHPUT_OF_BEST = 0.90
 
-TOPICS = (
-    "the weather",
-    "a train timetable",
-    "the price of coffee",
-    "a football match",
-    "the new library",
-    "a mountain hike",
-    "an old bicycle",
-    "the city council",
-)
-
-
-def sentences(count: int) -> list[str]:
-    """Short sentences of one style (12 to 16 tokens for MiniLM), all different."""
-    return [
-        f"Note {i}: a short remark about {TOPICS[i % len(TOPICS)]} written on day {i % 31 + 1}."
-        for i in range(count)
-    ]
-
-
-TEXTS = sentences(512)
+TEXTS = lg.sentences(512)
+QUIET = lg.QuietWait(max_s=20.0, budget_s=90.0, probe_s=0.5)  # at most 90 s per run in all
+HEADERS = {name: {"x-priority": name} for name, _ in CLASSES}
 
 
 def bodies(model: str) -> list[bytes]:
-    return [
-        json.dumps({"model": model, "input": text, "encoding_format": "base64"}).encode()
-        for text in TEXTS
-    ]
-
-
-# --------------------------------------------------------------------------- statistics
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks; NaN when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def ratio(a: float, b: float) -> float:
-    return a / b if b > 0 and not math.isnan(a) and not math.isnan(b) else math.nan
-
-
-def fmt(value: float | None, digits: int = 1) -> str:
-    if value is None or math.isnan(value):
-        return "n/a"
-    return f"{value:,.{digits}f}"
-
-
-def ms(value: float | None) -> str:
-    """Milliseconds with precision that suits their size."""
-    if value is None or math.isnan(value):
-        return "n/a"
-    return fmt(value, 2 if abs(value) < 10 else 1 if abs(value) < 1000 else 0)
+    return lg.embedding_bodies(model, TEXTS)
 
 
 # --------------------------------------------------------------------------- processes
-def child_env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-    }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process (all its threads); NaN when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return math.nan
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def session_cpu_s(sid: int) -> float:
-    """CPU seconds of every live process of a session (Ray's many processes, together)."""
-    return sum(x for pid in session_pids(sid) if not math.isnan(x := cpu_s(pid)))
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def system_busy_s() -> float:
-    """CPU seconds spent by everything on this machine (all CPUs), from /proc/stat."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return (sum(values) - values[3] - values[4]) / CLK_TCK  # minus idle and iowait
-
-
-def ours_s() -> float:
-    """CPU seconds of this process and of every process this benchmark started."""
-    return time.process_time() + sum(session_cpu_s(child.pid) for child in CHILDREN)
-
-
-class OtherLoad:
-    """CPU used by processes this benchmark did not start, over a span, in cores."""
-
-    def __init__(self) -> None:
-        self.wall0, self.busy0, self.ours0 = time.perf_counter(), system_busy_s(), ours_s()
-
-    def cores(self) -> float:
-        wall = time.perf_counter() - self.wall0
-        others = (system_busy_s() - self.busy0) - (ours_s() - self.ours0)
-        return max(0.0, others) / wall if wall > 0 else math.nan
-
-
-QUIET = {"budget_s": 90.0, "waited_s": 0.0}
-
-
-def wait_quiet(max_s: float = 20.0) -> None:
-    """Wait (bounded, 90 s per run in all) until other processes leave the CPUs nearly idle."""
-    deadline = time.monotonic() + min(max_s, QUIET["budget_s"] - QUIET["waited_s"])
-    started = time.monotonic()
-    while time.monotonic() < deadline:
-        load = OtherLoad()
-        time.sleep(0.5)
-        if load.cores() < NOISY_CORES:
-            break
-    QUIET["waited_s"] += time.monotonic() - started
-
-
-def session_pids(sid: int) -> list[int]:
-    """Every live process of session ``sid`` (a child started with start_new_session)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
-
-
-@dataclass
-class Child:
-    """A process this benchmark started, in a session of its own."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    log: Path
-    url: str = ""
-    group_term: bool = True  # SIGTERM its whole group (tidegate) or only itself (Ray)
-    stop_timeout_s: float = 15.0
-    scratch: Path | None = None  # a folder of its own, removed once it has stopped
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def log_tail(self, lines: int = 8) -> str:
-        try:
-            text = self.log.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return " | ".join(text[-lines:])
-
-
-CHILDREN: list[Child] = []
-
-
-def spawn(name: str, cmd: list[str], logdir: Path, **kwargs: Any) -> Child:
-    log = logdir / f"{name}.log"
-    with log.open("wb") as err:
-        process = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            env=child_env(),
-            cwd=ROOT,
-            start_new_session=True,  # its own session and group: stopped as a whole below
-        )
-    child = Child(name, process, log, **kwargs)
-    CHILDREN.append(child)
-    return child
-
-
-def first_line(child: Child, timeout_s: float) -> str:
-    """The first line the child prints (its address), without blocking past the timeout."""
-    assert child.process.stdout is not None
-    selector = selectors.DefaultSelector()
-    selector.register(child.process.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout_s
-    buffer = b""
-    try:
-        while b"\n" not in buffer:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"{child.name}: no address after {timeout_s:.0f}s")
-            if not selector.select(min(left, 1.0)):
-                if not child.alive():
-                    raise RuntimeError(
-                        f"{child.name} exited with {child.process.returncode}: {child.log_tail()}"
-                    )
-                continue
-            chunk = os.read(child.process.stdout.fileno(), 4096)
-            if not chunk:
-                raise RuntimeError(
-                    f"{child.name} closed its output (status {child.process.poll()}): "
-                    f"{child.log_tail()}"
-                )
-            buffer += chunk
-    finally:
-        selector.close()
-    return buffer.split(b"\n", 1)[0].decode().strip()
-
-
-def stop(child: Child) -> None:
-    """SIGTERM, wait, then SIGKILL everything left in its session; reap it."""
-    if child.alive():
-        with contextlib.suppress(ProcessLookupError):
-            if child.group_term:
-                os.killpg(child.pid, signal.SIGTERM)
-            else:
-                os.kill(child.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.process.wait(timeout=child.stop_timeout_s)
-    deadline = time.monotonic() + 10
-    while (left := session_pids(child.pid)) and time.monotonic() < deadline:
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.1)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        child.process.wait(timeout=5)
-    if child.process.stdout is not None:
-        child.process.stdout.close()
-    if child.scratch is not None and not session_pids(child.pid):
-        shutil.rmtree(child.scratch, ignore_errors=True)
-    if child in CHILDREN:
-        CHILDREN.remove(child)
-
-
-def stop_all() -> None:
-    for child in reversed(list(CHILDREN)):
-        with contextlib.suppress(Exception):
-            stop(child)
-
-
-def wait_http_ready(
-    child: Child, path: str, timeout_s: float, check: Callable[[Any], bool]
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if not child.alive():
-            raise RuntimeError(
-                f"{child.name} exited with {child.process.returncode}: {child.log_tail()}"
-            )
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            response = httpx.get(f"{child.url}{path}", timeout=2)
-            if response.status_code == 200 and check(response.json()):
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{child.name} not ready after {timeout_s:.0f}s: {child.log_tail()}")
-        time.sleep(0.1)
-
-
-def start_worker(name: str, logdir: Path, *args: str) -> Child:
-    child = spawn(
-        name, [TIDEGATE, "worker", "--port", "0", "--log-level", "warning", *args], logdir
-    )
-    child.url = first_line(child, 30)
-    if not child.url.startswith("http://127.0.0.1:"):
-        raise RuntimeError(f"{name} printed {child.url!r} instead of its address")
-    wait_http_ready(child, "/readyz", READY_TIMEOUT_S, lambda body: True)
-    return child
 
 
 def gateway_config(model: str, upstream: str, policy: str) -> dict[str, Any]:
@@ -423,17 +138,7 @@ def gateway_config(model: str, upstream: str, policy: str) -> dict[str, Any]:
 
 
 def start_gateway(name: str, logdir: Path, model: str, upstream: str, policy: str) -> Child:
-    config = logdir / f"{name}.yaml"
-    config.write_text(json.dumps(gateway_config(model, upstream, policy), indent=2))  # YAML 1.2
-    port = free_port()
-    cmd = [TIDEGATE, "serve", "--config", str(config), "--port", str(port)]
-    child = spawn(name, [*cmd, "--log-level", "warning"], logdir)
-    child.url = f"http://127.0.0.1:{port}"
-    wait_http_ready(child, "/readyz", 60, lambda body: model in body.get("ready_models", []))
-    wait_http_ready(
-        child, "/v1/models", 10, lambda body: any(m["id"] == model for m in body["data"])
-    )
-    return child
+    return lg.start_serve(name, logdir, gateway_config(model, upstream, policy), model)
 
 
 def torch_threads() -> int:
@@ -449,7 +154,7 @@ def torch_threads() -> int:
 
 
 def start_peer(ray_python: str, logdir: Path, threads: int) -> Child:
-    port = free_port()
+    port = lg.free_port()
     # Ray's session folder holds unix sockets: keep its path short (108 bytes at most).
     scratch = Path(tempfile.gettempdir()) / f"tg_bench_ray_{os.getpid()}"
     cmd = [
@@ -470,8 +175,8 @@ def start_peer(ray_python: str, logdir: Path, threads: int) -> Child:
         "--temp-dir",
         str(scratch),
     ]
-    child = spawn("ray-peer", cmd, logdir, group_term=False, stop_timeout_s=40, scratch=scratch)
-    child.url = first_line(child, PEER_READY_TIMEOUT_S)
+    child = lg.spawn("ray-peer", cmd, logdir, group_term=False, stop_timeout_s=40, scratch=scratch)
+    child.url = lg.first_line(child, PEER_READY_TIMEOUT_S)
     if not child.url.startswith("http://127.0.0.1:"):
         raise RuntimeError(f"peer printed {child.url!r} instead of its address")
     return child
@@ -492,141 +197,6 @@ def other_benchmarks() -> list[str]:
     return found
 
 
-# --------------------------------------------------------------------------- load clients
-class StaleConnection(Exception):
-    """A kept-alive connection the server had closed: nothing was answered on it."""
-
-
-class RawConnection:
-    """One keep-alive HTTP/1.1 connection: no more than the load generator needs."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    @property
-    def open(self) -> bool:
-        return self.writer is not None and not self.writer.is_closing()
-
-    async def post(self, path: str, body: bytes, headers: bytes) -> tuple[int, bool]:
-        """(status, whether the answer had Retry-After); reads the whole body."""
-        if not self.open:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        assert self.reader is not None
-        assert self.writer is not None
-        self.writer.write(
-            b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n%s"
-            b"Content-Length: %d\r\n\r\n%s"
-            % (path.encode(), self.host.encode(), self.port, headers, len(body), body)
-        )
-        try:
-            head = await self.reader.readuntil(b"\r\n\r\n")
-        except (ConnectionError, asyncio.IncompleteReadError) as exc:
-            if isinstance(exc, asyncio.IncompleteReadError) and exc.partial:
-                raise
-            raise StaleConnection from exc  # closed before a byte of the answer came back
-        lines = head.split(b"\r\n")
-        status = int(lines[0].split(b" ", 2)[1])
-        length: int | None = 0
-        close = retry_after = False
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            if name == b"content-length":
-                length = int(value)
-            elif name == b"transfer-encoding" and b"chunked" in value.lower():
-                length = None
-            elif name == b"connection" and b"close" in value.lower():
-                close = True
-            elif name == b"retry-after":
-                retry_after = True
-        if length is None:
-            while size := int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16):
-                await self.reader.readexactly(size + 2)
-            await self.reader.readuntil(b"\r\n")
-        else:
-            await self.reader.readexactly(length)
-        if close:
-            self.close()
-        return status, retry_after
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-
-
-class RawClient:
-    """Keep-alive connections to one server, one per request in flight: about 0.1 ms of CPU
-    per request, flat in the number of connections."""
-
-    def __init__(self, url: str) -> None:
-        host, _, port = url.removeprefix("http://").rpartition(":")
-        self.host, self.port = host, int(port)
-        self.idle: list[RawConnection] = []
-        self.all: list[RawConnection] = []
-
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bool]:
-        extra = b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items())
-        while self.idle:  # the most recently used first: the least likely to have timed out
-            connection = self.idle.pop()
-            if connection.open and not (connection.reader and connection.reader.at_eof()):
-                try:
-                    return self._keep(connection, await connection.post(path, body, extra))
-                except StaleConnection:
-                    # The server closed it while it was idle (its keep-alive timeout): the
-                    # request was not processed, so send it again on another connection.
-                    connection.close()
-                except BaseException:
-                    connection.close()
-                    raise
-        connection = RawConnection(self.host, self.port)
-        self.all.append(connection)
-        try:
-            return self._keep(connection, await connection.post(path, body, extra))
-        except BaseException:
-            connection.close()  # mid-request: never reuse it
-            raise
-
-    def _keep(self, connection: RawConnection, result: tuple[int, bool]) -> tuple[int, bool]:
-        if connection.open:
-            self.idle.append(connection)
-        return result
-
-    async def aclose(self) -> None:
-        for connection in self.all:
-            connection.close()
-
-
-class HttpxClient:
-    """One ``httpx.AsyncClient`` with keep-alive. Its pool (httpcore 1.0) costs CPU that
-    grows with the square of the open connections: milliseconds per request at 64."""
-
-    def __init__(self, url: str, max_connections: int) -> None:
-        limits = httpx.Limits(
-            max_connections=max_connections, max_keepalive_connections=max_connections
-        )
-        timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
-        self.client = httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout)
-
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bool]:
-        response = await self.client.post(
-            path, content=body, headers={"content-type": "application/json", **headers}
-        )
-        return response.status_code, "retry-after" in response.headers
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
-
-
-LoadClient = RawClient | HttpxClient
-
-
-def load_client(kind: str, url: str, max_connections: int) -> LoadClient:
-    return RawClient(url) if kind == "raw" else HttpxClient(url, max_connections)
-
-
 # --------------------------------------------------------------------------- load: closed loop
 @dataclass
 class Closed:
@@ -635,6 +205,7 @@ class Closed:
     latencies: list[float] = field(default_factory=list)
     completed: int = 0
     errors: int = 0
+    error_samples: list[str] = field(default_factory=list)  # the first few, for stderr
     window_s: float = 0.0
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds in the window
     other_cores: float = math.nan  # CPU of processes not ours, in the window
@@ -649,48 +220,43 @@ async def closed_loop(
     pids: dict[str, int],
     client_kind: str,
 ) -> Closed:
-    wait_quiet()
+    QUIET()
     result = Closed(window_s=measure_s)
-    client = load_client(client_kind, url, concurrency)
-    try:
-        begin = time.perf_counter() + warmup_s
-        end = begin + measure_s
-        marks: dict[str, list[float]] = {}
+    begin = time.perf_counter() + warmup_s
+    end = begin + measure_s
+    marks: dict[str, list[float]] = {}
 
-        def snapshot() -> list[float]:
-            return [*(cpu_s(pid) for pid in pids.values()), time.process_time()]
+    def snapshot() -> list[float]:
+        return [*(cpu_s(pid) for pid in pids.values()), time.process_time()]
 
-        async def meter() -> None:
-            await asyncio.sleep(max(0.0, begin - time.perf_counter()))
-            marks["begin"] = snapshot()
-            other = OtherLoad()
-            await asyncio.sleep(max(0.0, end - time.perf_counter()))
-            marks["end"] = snapshot()
-            result.other_cores = other.cores()
+    async def window() -> None:
+        await asyncio.sleep(max(0.0, begin - time.perf_counter()))
+        marks["begin"] = snapshot()
+        other = lg.OtherLoad()
+        await asyncio.sleep(max(0.0, end - time.perf_counter()))
+        marks["end"] = snapshot()
+        result.other_cores = other.cores()
 
-        async def user(k: int) -> None:
-            n = k
-            while (sent := time.perf_counter()) < end:
-                try:
-                    status, _ = await asyncio.wait_for(
-                        client.post("/v1/embeddings", payloads[n % len(payloads)], {}),
-                        REQUEST_TIMEOUT_S,
-                    )
-                    ok = status == 200
-                except Exception:
-                    ok = False
-                done = time.perf_counter()
-                n += concurrency
-                if begin <= done <= end:
-                    if ok:
-                        result.completed += 1
-                        result.latencies.append(done - sent)
-                    else:
-                        result.errors += 1
-
-        await asyncio.gather(meter(), *(user(k) for k in range(concurrency)))
-    finally:
-        await client.aclose()
+    records = await lg.closed_loop(
+        url,
+        "/v1/embeddings",
+        payloads,
+        concurrency,
+        window(),
+        client_kind=client_kind,
+        timeout_s=REQUEST_TIMEOUT_S,
+    )
+    for record in records:
+        if begin <= record.end <= end and record.sent < end:
+            if record.status == 200:
+                result.completed += 1
+                result.latencies.append(record.latency)
+            else:
+                result.errors += 1
+                if len(result.error_samples) < 3:
+                    result.error_samples.append(record.error)
+    if result.error_samples:
+        print(f"    {url}: failed requests, e.g. {result.error_samples}", file=sys.stderr)
     names = [*pids, "loadgen"]
     result.cpu = {
         name: b - a for name, a, b in zip(names, marks["begin"], marks["end"], strict=True)
@@ -788,89 +354,31 @@ def overhead(
 # --------------------------------------------------------------------------- load: open loop
 def schedule(rate: float, duration_s: float, seed: int) -> list[tuple[float, str]]:
     """Poisson arrivals at ``rate`` for ``duration_s`` (bounded count), each with a class."""
-    rng = random.Random(seed)
-    arrivals: list[tuple[float, str]] = []
-    at = 0.0
-    while len(arrivals) < MAX_OPEN_LOOP_REQUESTS:
-        at += rng.expovariate(rate)
-        if at >= duration_s:
-            break
-        draw = rng.random()
-        cumulative = 0.0
-        cls = CLASSES[-1][0]
-        for name, share in CLASSES:
-            cumulative += share
-            if draw < cumulative:
-                cls = name
-                break
-        arrivals.append((at, cls))
-    return arrivals
+    return lg.poisson(rate, duration_s, seed, CLASSES, MAX_OPEN_LOOP_REQUESTS)
 
 
-@dataclass
-class Sent:
-    cls: str
-    status: int  # HTTP status; -1: transport error; 0: never finished (cancelled at the end)
-    latency_s: float  # from the scheduled arrival to the answer
-    lag_s: float  # how late the request actually left
-    retry_after: bool
-    done_at: float  # seconds since the schedule's start
-
-
-async def open_loop(
+def send_schedule(
     url: str,
-    payloads: list[bytes],
     arrivals: list[tuple[float, str]],
     drain_s: float,
     client_kind: str,
     meters: dict[str, Callable[[], float]],
-) -> tuple[list[Sent], float, dict[str, float]]:
-    """Send on schedule whatever the answers: what came back, the time it took to send
-    everything, and the CPU (in cores) of each metered process meanwhile."""
-    wait_quiet()
-    headers = {name: {"x-priority": name} for name, _ in CLASSES}
-    results: list[Sent | None] = [None] * len(arrivals)
-    client = load_client(client_kind, url, 4096)
-    try:
-        start = time.perf_counter() + 0.2
-        cpu0 = {name: meter() for name, meter in meters.items()}
-        other = OtherLoad()
-
-        async def send(i: int, cls: str, due: float) -> None:
-            lag = time.perf_counter() - due
-            try:
-                status, retry_after = await asyncio.wait_for(
-                    client.post("/v1/embeddings", payloads[i % len(payloads)], headers[cls]),
-                    REQUEST_TIMEOUT_S,
-                )
-            except Exception:
-                status, retry_after = -1, False
-            now = time.perf_counter()
-            results[i] = Sent(cls, status, now - due, lag, retry_after, now - start)
-
-        tasks = []
-        for i, (at, cls) in enumerate(arrivals):
-            due = start + at
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            elif i % 16 == 0:
-                await asyncio.sleep(0)  # behind schedule: still let answers in
-            tasks.append(asyncio.create_task(send(i, cls, due)))
-        sending_s = time.perf_counter() - start
-        cores = {name: (meter() - cpu0[name]) / sending_s for name, meter in meters.items()}
-        cores["other processes"] = other.cores()
-        _, pending = await asyncio.wait(tasks, timeout=drain_s)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    finally:
-        await client.aclose()
-    out = [
-        r if r is not None else Sent(cls, 0, math.nan, math.nan, False, math.nan)
-        for r, (_, cls) in zip(results, arrivals, strict=True)
-    ]
-    return out, sending_s, cores
+) -> lg.OpenLoop:
+    """After a quiet wait, the open loop: each arrival a sentence tagged with its class."""
+    QUIET()
+    return asyncio.run(
+        lg.open_loop(
+            url,
+            "/v1/embeddings",
+            bodies("minilm"),
+            arrivals,
+            HEADERS,
+            drain_s=drain_s,
+            timeout_s=REQUEST_TIMEOUT_S,
+            meters=meters,
+            client_kind=client_kind,
+        )
+    )
 
 
 @dataclass
@@ -906,17 +414,12 @@ class OverloadRun:
         return next(row for row in self.classes if row.cls == name)
 
 
-def summarize(
-    system: str,
-    sent: list[Sent],
-    sending_s: float,
-    duration_s: float,
-    cores: dict[str, float],
-) -> OverloadRun:
+def summarize(system: str, sent: lg.OpenLoop, duration_s: float) -> OverloadRun:
+    records = sent.records
     classes = []
     for name, _ in (*CLASSES, ("all", 1.0)):
-        mine = [s for s in sent if name in ("all", s.cls)]
-        ok = [s.latency_s for s in mine if s.status == 200]
+        mine = [s for s in records if name in ("all", s.tag)]
+        ok = [s.latency for s in mine if s.status == 200]
         r429 = [s for s in mine if s.status == 429]
         classes.append(
             ClassRow(
@@ -934,19 +437,19 @@ def summarize(
                 sum(s.status == 0 for s in mine),
             )
         )
-    lags = [s.lag_s for s in sent if not math.isnan(s.lag_s)]
-    in_window = sum(1 for s in sent if s.status == 200 and s.done_at <= duration_s)
+    lags = [s.sent - s.start for s in records if s.status != 0]
+    in_window = sum(1 for s in records if s.status == 200 and s.end - sent.started <= duration_s)
     return OverloadRun(
         system,
-        len(sent) / duration_s,
-        len(sent) / sending_s if sending_s > 0 else math.nan,
+        len(records) / duration_s,
+        len(records) / sent.sending_s if sent.sending_s > 0 else math.nan,
         in_window / duration_s,
-        sum(s.status == 200 for s in sent),
+        sum(s.status == 200 for s in records),
         percentile(lags, 50) * 1e3,
         percentile(lags, 99) * 1e3,
         classes,
-        cores,
-        {str(k): v for k, v in sorted(Counter(s.status for s in sent).items())},
+        sent.cores,
+        {str(k): v for k, v in sorted(Counter(s.status for s in records).items())},
     )
 
 
@@ -958,10 +461,9 @@ def overload(
     meters: dict[str, Callable[[], float]],
 ) -> OverloadRun:
     meters = {"loadgen": time.process_time, **meters}
-    sent, sending_s, cores = asyncio.run(
-        open_loop(url, bodies("minilm"), arrivals, args.drain_s, args.client, meters)
+    run = summarize(
+        system, send_schedule(url, arrivals, args.drain_s, args.client, meters), args.duration_s
     )
-    run = summarize(system, sent, sending_s, args.duration_s, cores)
     high = run.cls("high")
     print(
         f"  {system}: sent {run.sent_per_s:,.0f}/s, completed {run.completed_per_s:,.0f}/s, "
@@ -1149,7 +651,7 @@ def write_profile(path: Path) -> Path:
 
 def part_overhead_sim(logdir: Path, args: argparse.Namespace) -> list[OverheadRow]:
     profile = write_profile(logdir / "zero.json")
-    worker = start_worker(
+    worker = lg.start_worker(
         "sim-worker",
         logdir,
         "--model",
@@ -1185,7 +687,7 @@ def run(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     rows = part_overhead_sim(logdir, args)
 
     print("1b. overhead, minilm; 2. priority under overload", flush=True)
-    worker = start_worker(
+    worker = lg.start_worker(
         "minilm-worker",
         logdir,
         "--model",
@@ -1277,14 +779,13 @@ def parse_args() -> argparse.Namespace:
         help=f"Python of the venv with ray[serve] (default {DEFAULT_RAY_PYTHON} if present)",
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--verdict", type=Path, help="write the PASS/MISS rows as JSON here")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--client",
         choices=("raw", "httpx"),
         default="raw",
-        help="load generator: a minimal asyncio HTTP/1.1 client (default), or one "
-        "httpx.AsyncClient (its pool costs the load generator milliseconds per request "
-        "at 64 connections)",
+        help=lg.CLIENT_HELP,
     )
     args = parser.parse_args()
     args.rounds = 1 if args.quick else 2
@@ -1296,33 +797,22 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def interrupted(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main() -> int:
     args = parse_args()
     started = time.monotonic()
-    signal.signal(signal.SIGTERM, interrupted)  # SIGTERM too: stop every child on the way out
     print(
         f"bench_gateway: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M UTC}, {os.cpu_count()} CPUs, "
-        f"{cpu_model()}, Python {platform.python_version()}, "
+        f"{lg.cpu_model()}, Python {platform.python_version()}, "
         f"{'quick' if args.quick else 'full'} run",
         flush=True,
     )
-    logdir = Path(tempfile.mkdtemp(prefix="bench_gateway_"))
-    keep_logs = False
     try:
-        results = run(args, logdir)
+        with lg.processes("bench_gateway") as logdir:  # SIGTERM too: every child stopped
+            results = run(args, logdir)
     except BaseException:
-        keep_logs = True
         traceback.print_exc()
-        print(f"the run failed; process logs kept in {logdir}", flush=True)
+        write_verdicts(args.verdict, "bench_gateway", [], [traceback.format_exc()])
         return 0
-    finally:
-        stop_all()
-        if not keep_logs:
-            shutil.rmtree(logdir, ignore_errors=True)
     results["elapsed_s"] = time.monotonic() - started
     print()
     print("### Overhead: the same worker, direct and through the gateway (closed loop)\n")
@@ -1344,6 +834,7 @@ def main() -> int:
         print(line)
     print("```")
     print(f"total run time: {results['elapsed_s']:.0f} s")
+    write_verdicts(args.verdict, "bench_gateway", results["verdicts"])
     if args.out:
         args.out.write_text(json.dumps(results, indent=2, default=str))
     return 0

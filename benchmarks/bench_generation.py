@@ -25,9 +25,12 @@ other processes used during the kept rounds.
 Targets: at concurrency 16 the worker reaches >= 85% of generate_batch's tokens/s (for each
 max_tokens); at concurrency 1 its TTFT p95 is within 1.5x of generate_batch's.
 
-Run (about 15 minutes on a quiet 2-core machine; ``--quick``: one round, shorter):
+Run (about 15 minutes on a quiet 2-core machine; ``--quick``: one wave per round, one round,
+max_tokens 64 at concurrencies 1 and 16):
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_generation.py [--quick] [--out r.json]
-Prints markdown tables, then PASS/MISS lines. Always exits 0.
+        [--verdict verdict.json]
+Prints a markdown table and PASS/MISS lines, which ``--verdict`` also writes as JSON rows for
+``make bench``. Always exits 0. Streams, waves, processes and quiet rounds: ``loadgen.py``.
 """
 
 from __future__ import annotations
@@ -36,36 +39,21 @@ import argparse
 import asyncio
 import datetime as dt
 import functools
-import itertools
 import json
-import math
 import os
 import platform
 import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-from bench_worker import (
-    NOISY_CORES,
-    LoadClient,
-    OtherLoad,
-    WorkerProc,
-    fmt,
-    load_client,
-    measure_pairs,
-    percentile,
-    ratio,
-    report_errors,
-    worker_process,
-)
+import loadgen as lg
+from direct import GenerateBatch
+from loadgen import StreamRound, fmt, ratio
+from summary import write_verdicts
 
 MODEL = "smollm2"
 MAX_NUM_SEQS = 16
@@ -96,19 +84,7 @@ def messages(count: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(count)]
 
 
-# --------------------------------------------------------------------------- samples
-@dataclass
-class Sample:
-    tokens: int = 0
-    busy_s: float = 0.0  # summed wave times
-    ttfts_s: list[float] = field(default_factory=list)
-    itls_s: list[float] = field(default_factory=list)
-    waves: int = 0
-    errors: int = 0
-    error_samples: list[str] = field(default_factory=list)
-    other_cores: float = 0.0
-
-
+# --------------------------------------------------------------------------- rows
 @dataclass
 class Row:
     max_tokens: int
@@ -132,214 +108,84 @@ class Row:
     other_cores_batch: float
 
 
-# --------------------------------------------------------------------------- worker side
-async def stream_chat(
-    client: LoadClient, user: int, chat: list[dict[str, str]], max_tokens: int
-) -> tuple[float, list[float], int, str]:
-    """(TTFT, gaps between text chunks, completion tokens, failure: "" if it succeeded)."""
-    body = {
-        "model": MODEL,
-        "messages": chat,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.perf_counter()
-    arrivals: list[float] = []
-    tokens = 0
-    failure = ""
-    async for item in client.events(user, "/v1/chat/completions", json.dumps(body).encode()):
-        if isinstance(item, int):
-            failure = "" if item == 200 else f"status {item}"
-            continue
-        if item == b"[DONE]":
-            continue
-        if b'"error"' in item:
-            failure = failure or item[:300].decode(errors="replace")
-            continue
-        chunk = json.loads(item)
-        if chunk.get("usage"):
-            tokens = int(chunk["usage"]["completion_tokens"])
-        for choice in chunk.get("choices", []):
-            if choice.get("delta", {}).get("content"):
-                arrivals.append(time.perf_counter())
-    if not failure and tokens == 0:
-        failure = "no usage chunk"
-    ttft = arrivals[0] - t0 if arrivals else math.nan
-    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-    return ttft, gaps, tokens, failure
+# --------------------------------------------------------------------------- both sides
+def chat_text(event: bytes) -> bool:
+    """A chat stream event whose delta carries text (one token, but for a token that decodes
+    to nothing or completes a character: the next gap then spans two)."""
+    chunk = json.loads(event)
+    return any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", []))
 
 
-async def worker_round(
-    proc: WorkerProc, chats: list[list[dict[str, str]]], max_tokens: int, duration_s: float
-) -> Sample:
-    out = Sample()
-    load = OtherLoad(proc)
-    client = load_client("raw", proc.url, len(chats))
-    try:
-        started = time.perf_counter()
-        while out.waves == 0 or time.perf_counter() - started < duration_s:
-            t0 = time.perf_counter()
-            results = await asyncio.gather(
-                *(stream_chat(client, i, chat, max_tokens) for i, chat in enumerate(chats)),
-                return_exceptions=True,
-            )
-            out.busy_s += time.perf_counter() - t0
-            out.waves += 1
-            for i, result in enumerate(results):
-                if isinstance(result, BaseException):
-                    result = (math.nan, [], 0, f"{type(result).__name__}: {result}")
-                    await client.reset(i)
-                ttft, gaps, tokens, failure = result
-                out.tokens += tokens
-                out.itls_s += gaps
-                if failure:
-                    out.errors += 1
-                    if len(out.error_samples) < 5:
-                        out.error_samples.append(failure)
-                if not math.isnan(ttft):
-                    out.ttfts_s.append(ttft)
-    finally:
-        await client.aclose()
-    out.other_cores = load.cores()
-    return out
+def worker_round(
+    url: str, chats: list[list[dict[str, str]]], max_tokens: int, duration_s: float
+) -> StreamRound:
+    """Waves of ``len(chats)`` streaming chat completions sent at once."""
+    bodies = [
+        json.dumps(
+            {
+                "model": MODEL,
+                "messages": chat,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        for chat in chats
+    ]
+    return asyncio.run(lg.stream_waves(url, "/v1/chat/completions", bodies, duration_s, chat_text))
 
 
-# --------------------------------------------------------------------------- direct side
-class BatchGenerator:
-    """transformers' ``generate_batch`` on the converted smollm2 folder, sized like the engine."""
+def smollm2_direct() -> GenerateBatch:
+    """generate_batch on the converted smollm2 folder the worker loads."""
+    from tidegate.engines import smollm2
+    from tidegate.engines.model_folder import ensure_converted
 
-    def __init__(self) -> None:
-        import torch
-        import transformers
-
-        from tidegate.engines import smollm2
-        from tidegate.engines.generation import cache_sizing
-        from tidegate.engines.hf_runtime import quiet_transformers
-        from tidegate.engines.model_folder import ensure_converted
-
-        quiet_transformers()
-        folder = ensure_converted(smollm2.gguf_path())
-        hf: Any = transformers  # partly untyped
-        self.hf = hf
-        self.tokenizer: Any = hf.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        self.model: Any = hf.AutoModelForCausalLM.from_pretrained(
-            folder, local_files_only=True, attn_implementation="sdpa", dtype=torch.float32
-        )
-        self.model.eval()
-        context = int(self.model.config.max_position_embeddings)
-        sizing = cache_sizing(MAX_NUM_SEQS, min(context, 8192))
-        self.cb_config = hf.ContinuousBatchingConfig(
-            page_size=sizing.page_size,
-            num_blocks=sizing.num_blocks,
-            max_batch_tokens=sizing.max_batch_tokens,
-            max_requests_per_batch=MAX_NUM_SEQS,
-            seed=0,
-        )
-        self.eos = self.model.generation_config.eos_token_id
-
-    def encode_chat(self, chat: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def wave(self, inputs: list[list[int]], max_tokens: int) -> tuple[int, float, list, list]:
-        """(tokens, span from first request created to last token, TTFTs, ITLs)."""
-        config = self.hf.GenerationConfig(
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            eos_token_id=self.eos,
-            pad_token_id=self.tokenizer.pad_token_id or 0,
-        )
-        results = self.model.generate_batch(
-            inputs,
-            generation_config=config,
-            continuous_batching_config=self.cb_config,
-            record_timestamps=True,
-            progress_bar=False,
-            max_new_tokens=max_tokens,
-        )
-        outputs = list(results.values())
-        if len(outputs) != len(inputs):
-            raise RuntimeError(f"generate_batch returned {len(outputs)} of {len(inputs)} outputs")
-        tokens = sum(len(o.generated_tokens) for o in outputs)
-        created = min(o.created_time for o in outputs)
-        last = max(o.timestamps[-1] for o in outputs if o.timestamps)
-        ttfts = [o.timestamps[0] - o.created_time for o in outputs if o.timestamps]
-        itls = [b - a for o in outputs for a, b in itertools.pairwise(o.timestamps)]
-        return tokens, last - created, ttfts, itls
-
-    def round(
-        self, proc: WorkerProc, inputs: list[list[int]], max_tokens: int, duration_s: float
-    ) -> Sample:
-        out = Sample()
-        load = OtherLoad(proc)
-        started = time.perf_counter()
-        while out.waves == 0 or time.perf_counter() - started < duration_s:
-            tokens, span, ttfts, itls = self.wave(inputs, max_tokens)
-            out.tokens += tokens
-            out.busy_s += span
-            out.ttfts_s += ttfts
-            out.itls_s += itls
-            out.waves += 1
-        out.other_cores = load.cores()
-        return out
+    return GenerateBatch(ensure_converted(smollm2.gguf_path()), MAX_NUM_SEQS, None)
 
 
 # --------------------------------------------------------------------------- rows
-def make_row(max_tokens: int, concurrency: int, worker: list[Sample], batch: list[Sample]) -> Row:
-    def pct(samples: list[Sample], name: str, q: float) -> float:
-        return percentile([x for s in samples for x in getattr(s, name)], q) * 1e3
-
-    w_tok, b_tok = sum(s.tokens for s in worker), sum(s.tokens for s in batch)
-    w_rate = w_tok / sum(s.busy_s for s in worker)
-    b_rate = b_tok / sum(s.busy_s for s in batch)
+def make_row(
+    max_tokens: int, concurrency: int, worker: list[StreamRound], batch: list[StreamRound]
+) -> Row:
+    w, b = lg.pool(worker, concurrency), lg.pool(batch, concurrency)
     return Row(
         max_tokens=max_tokens,
         concurrency=concurrency,
-        worker_tok_per_s=w_rate,
-        batch_tok_per_s=b_rate,
-        worker_over_batch=ratio(w_rate, b_rate),
-        worker_ttft_p50_ms=pct(worker, "ttfts_s", 50),
-        worker_ttft_p95_ms=pct(worker, "ttfts_s", 95),
-        batch_ttft_p50_ms=pct(batch, "ttfts_s", 50),
-        batch_ttft_p95_ms=pct(batch, "ttfts_s", 95),
-        worker_itl_p50_ms=pct(worker, "itls_s", 50),
-        worker_itl_p95_ms=pct(worker, "itls_s", 95),
-        batch_itl_p50_ms=pct(batch, "itls_s", 50),
-        batch_itl_p95_ms=pct(batch, "itls_s", 95),
-        worker_tokens_per_seq=w_tok / (sum(s.waves for s in worker) * concurrency),
-        batch_tokens_per_seq=b_tok / (sum(s.waves for s in batch) * concurrency),
-        worker_errors=sum(s.errors for s in worker),
-        error_samples=[x for s in worker for x in s.error_samples][:5],
-        other_cores_worker=max(s.other_cores for s in worker),
-        other_cores_batch=max(s.other_cores for s in batch),
+        batch_ttft_p95_ms=b.ms("ttfts_s", 95),
+        worker_itl_p50_ms=w.ms("itls_s", 50),
+        worker_itl_p95_ms=w.ms("itls_s", 95),
+        batch_itl_p50_ms=b.ms("itls_s", 50),
+        batch_itl_p95_ms=b.ms("itls_s", 95),
+        **lg.pair_fields(w, b),
     )
 
 
-def run(args: argparse.Namespace) -> list[Row]:
+def run(args: argparse.Namespace, logdir: Path) -> list[Row]:
     chats = messages(max(args.concurrencies))
-    direct = BatchGenerator()
+    direct = smollm2_direct()
     ids = [direct.encode_chat(chat) for chat in chats]
     direct.wave(ids[:4], 8)  # warm the in-process path as the worker warms its own
     rows: list[Row] = []
-    with worker_process("--model", MODEL, "--max-num-seqs", str(MAX_NUM_SEQS)) as proc:
+    worker_args = ("--model", MODEL, "--max-num-seqs", str(MAX_NUM_SEQS))
+    with lg.running(lg.start_worker("smollm2", logdir, *worker_args)) as proc:
         for max_tokens in args.max_tokens:
             for concurrency in args.concurrencies:
                 # One unmeasured wave each, then interleaved rounds.
-                asyncio.run(worker_round(proc, chats[:concurrency], max_tokens, 0.0))
+                worker_round(proc.url, chats[:concurrency], max_tokens, 0.0)
                 direct.wave(ids[:concurrency], max_tokens)
-                worker, batch = measure_pairs(
-                    proc,
-                    args,
-                    lambda c=concurrency, m=max_tokens: asyncio.run(
-                        worker_round(proc, chats[:c], m, args.round_s)
-                    ),
+                worker, batch = lg.measure_pairs(
                     functools.partial(
-                        direct.round, proc, ids[:concurrency], max_tokens, args.round_s
+                        worker_round, proc.url, chats[:concurrency], max_tokens, args.round_s
+                    ),
+                    functools.partial(direct.round, ids[:concurrency], max_tokens, args.round_s),
+                    rounds=args.rounds,
+                    retries=args.retries,
+                    quiet=lg.QuietWait(
+                        max_s=args.quiet_wait_s, deadline=args.deadline, probe_s=0.3
                     ),
                 )
-                report_errors(
+                lg.report_errors(
                     f"max_tokens {max_tokens}, concurrency {concurrency}",
                     [x for s in worker for x in s.error_samples],
                     proc,
@@ -404,14 +250,22 @@ def verdicts(rows: list[Row]) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one round per row, shorter")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: one wave per round, one round per row, max_tokens 64 and "
+        "concurrencies 1 and 16 (unless given)",
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    parser.add_argument("--concurrencies", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--max-tokens", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--verdict", type=Path, help="write the PASS/MISS rows as JSON here")
+    parser.add_argument("--concurrencies", type=int, nargs="+", help="default: 1 4 16")
+    parser.add_argument("--max-tokens", type=int, nargs="+", help="default: 64 256")
     parser.add_argument("--quiet-wait-s", type=float, default=15.0)
     parser.add_argument("--retries", type=int, default=1, help="extra pairs per row if noisy")
     parser.add_argument("--max-run-s", type=float, default=1200.0)
     args = parser.parse_args(argv)
+    args.concurrencies = args.concurrencies or ([1, 16] if args.quick else [1, 4, 16])
+    args.max_tokens = args.max_tokens or ([64] if args.quick else [64, 256])
     args.rounds = 1 if args.quick else 2
     args.round_s = 0.0 if args.quick else 5.0  # a round is at least one wave
     return args
@@ -438,10 +292,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     rows: list[Row] = []
     failures: list[str] = []
-    try:
-        rows = run(args)
-    except Exception:
-        failures.append(traceback.format_exc())
+    with lg.processes("bench_generation") as logdir:
+        try:
+            rows = run(args, logdir)
+        except Exception:
+            failures.append(traceback.format_exc())
     meta["total_s"] = round(time.monotonic() - started, 1)
     if rows:
         print(f"\n## Generation ({MODEL}, greedy, chat prompts)\n")
@@ -450,17 +305,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in verdicts(rows):
         print(line)
     noise = [r.other_cores_worker for r in rows] + [r.other_cores_batch for r in rows]
-    if noise and max(noise) > NOISY_CORES:
-        print(
-            f"NOTE: other processes used up to {max(noise):.2f} of {os.cpu_count()} CPUs during "
-            "a measured round: the figures of those rows are disturbed"
-        )
+    lg.note_noise(noise)
     for row in rows:
         if row.worker_errors:
             print(f"ERRORS at {row.max_tokens}/{row.concurrency}: {row.error_samples[0]}")
     for failure in failures:
         print(f"\nFAILED {failure}")
     print(f"\ntotal {meta['total_s']:.0f} s")
+    write_verdicts(args.verdict, "bench_generation", verdicts(rows), failures)
     if args.out is not None:
         args.out.write_text(
             json.dumps(

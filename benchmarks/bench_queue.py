@@ -21,7 +21,7 @@ a coarse clock (aging crossings between levels) asserts that all three pick the 
 
 Run (about half a minute on 2 cores):
     .venv/bin/python benchmarks/bench_queue.py [--depths 1000 10000 100000] [--seed 0]
-        [--budget-s 2.0] [--min-steps 50] [--max-steps 20000]
+        [--budget-s 2.0] [--min-steps 50] [--max-steps 20000] [--quick] [--verdict v.json]
 Prints a markdown table, then PASS/MISS lines for the targets (at depth 100k: WaitQueue pick
 p99 under 20 us, and at least 1000x below the sorted list's). Always exits 0.
 """
@@ -35,8 +35,10 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
+from summary import write_verdicts
 from tidegate.core.queue import Admitted, AgingConfig, QueueConfig, WaitQueue, effective_priority
 from tidegate.core.request import Request
 
@@ -221,7 +223,15 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=2.0, help="timed seconds per cell")
     parser.add_argument("--min-steps", type=int, default=50)
     parser.add_argument("--max-steps", type=int, default=20_000)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: depths 1,000 and 100,000, 0.5 s per cell, at least 20 steps",
+    )
+    parser.add_argument("--verdict", type=Path, help="write the PASS/MISS rows as JSON here")
     args = parser.parse_args()
+    if args.quick:
+        args.depths, args.budget_s, args.min_steps = [1000, TARGET_DEPTH], 0.5, 20
 
     check_same_order(args.seed)
     print("order check: all three approaches pick the same request ids\n")
@@ -254,14 +264,18 @@ def main() -> None:
     print()
     if TARGET_DEPTH not in args.depths:
         print(f"targets: n/a (depth {TARGET_DEPTH:,} not run)")
+        write_verdicts(args.verdict, "bench_queue", [f"MISS depth {TARGET_DEPTH:,} not run"])
         return
     p99 = cells[(wq, TARGET_DEPTH)].p99_us
     ratio = cells[(SortedList.name, TARGET_DEPTH)].p99_us / p99
+    lines: list[str] = []
     for ok, text in (
         (p99 < TARGET_P99_US, f"WaitQueue pick p99 = {p99:,.1f} µs (target < {TARGET_P99_US:g})"),
         (ratio >= TARGET_RATIO, f"sorted list / WaitQueue p99 = {ratio:,.0f}x (target >= 1,000x)"),
     ):
-        print(f"{'PASS' if ok else 'MISS'} at {TARGET_DEPTH:,} queued: {text}")
+        lines.append(f"{'PASS' if ok else 'MISS'} at {TARGET_DEPTH:,} queued: {text}")
+        print(lines[-1])
+    write_verdicts(args.verdict, "bench_queue", lines)
 
 
 if __name__ == "__main__":

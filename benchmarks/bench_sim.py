@@ -17,7 +17,7 @@
 
 Run (about a minute on 2 cores):
     .venv/bin/python benchmarks/bench_sim.py [--requests 200000] [--repeat 3] [--cprofile]
-        [--traces ../shared/traces] [--json out.json]
+        [--traces ../shared/traces] [--json out.json] [--quick] [--verdict v.json]
 Prints markdown tables and PASS/MISS lines; always exits 0.
 """
 
@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from summary import write_verdicts
 from tidegate.config import load_config
 from tidegate.sim import SimulateOptions, simulate
 from tidegate.sim.run import Scenario, Simulation
@@ -213,7 +214,13 @@ def main() -> None:
     parser.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--verdict", type=Path, help="write the PASS/MISS rows as JSON here")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 20,000 requests, no repeat"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.requests, args.repeat = 20_000, 1
     started = time.perf_counter()
     print(f"# bench_sim {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {machine()}", flush=True)
     path_rows = queue_path(args.requests, args.repeat)
@@ -240,14 +247,14 @@ def main() -> None:
     best = max(row.per_s for row in path_rows)
     worst = min(row.per_s for row in path_rows)
     slowest = max(a.cpu_s for a in azure_rows)
-    print(
+    lines = [
         f"{'PASS' if worst >= TARGET_PER_S else 'MISS'} queue + batching path: "
-        f"{worst:,.0f} to {best:,.0f} requests/s (target >= {TARGET_PER_S:,.0f})"
-    )
-    print(
+        f"{worst:,.0f} to {best:,.0f} requests/s (target >= {TARGET_PER_S:,.0f})",
         f"{'PASS' if slowest < 1.0 else 'MISS'} Azure conversation trace: at most {slowest:.2f} "
-        "s CPU per policy (target: well under 1 s)"
-    )
+        "s CPU per policy (target: well under 1 s)",
+    ]
+    print("\n".join(lines))
+    write_verdicts(args.verdict, "bench_sim", lines)
     print(f"total {time.perf_counter() - started:.0f} s")
     if args.json:
         args.json.write_text(

@@ -29,23 +29,20 @@ exits 1. Run (about 2 minutes per load and policy, plus start-ups):
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_sim_fidelity.py
         [--profile PATH] [--engine transformers|simulated] [--loads 0.8,1.5]
         [--duration-s 60] [--policies fifo,priority] [--seed 0] [--json out.json]
+        [--quick] [--verdict verdict.json]
 Every process it starts is stopped at the end; logs are kept only when a run fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import os
 import platform
 import random
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -55,6 +52,8 @@ from typing import Any
 import httpx
 
 import bench_gateway as bg
+import loadgen as lg
+from summary import write_verdicts
 from tidegate.config import load_config
 from tidegate.engines.profile import EngineProfile, load_profile
 from tidegate.sim.run import Scenario, Simulation
@@ -100,11 +99,11 @@ class ClassResult:
 
     @property
     def p50_error(self) -> float:
-        return bg.ratio(self.sim_p50_ms - self.real_p50_ms, self.real_p50_ms)
+        return lg.ratio(self.sim_p50_ms - self.real_p50_ms, self.real_p50_ms)
 
     @property
     def p95_error(self) -> float:
-        return bg.ratio(self.sim_p95_ms - self.real_p95_ms, self.real_p95_ms)
+        return lg.ratio(self.sim_p95_ms - self.real_p95_ms, self.real_p95_ms)
 
 
 def capacity_per_s(profile: EngineProfile) -> float:
@@ -150,17 +149,6 @@ def serve_config(policy: str, engine: str, profile: Path) -> dict[str, Any]:
         "gateway": {"host": "127.0.0.1", "policy": policy, "shutdown_timeout_s": 5},
         "models": [model],
     }
-
-
-def start_serve(name: str, logdir: Path, config: Path) -> bg.Child:
-    port = bg.free_port()
-    cmd = [bg.TIDEGATE, "serve", "--config", str(config), "--port", str(port)]
-    child = bg.spawn(name, [*cmd, "--log-level", "warning"], logdir)
-    child.url = f"http://127.0.0.1:{port}"
-    bg.wait_http_ready(
-        child, "/readyz", bg.READY_TIMEOUT_S, lambda body: MODEL in body.get("ready_models", [])
-    )
-    return child
 
 
 def probe_s(url: str) -> float:
@@ -246,22 +234,20 @@ def one_pair(
     config = logdir / f"{policy}.yaml"
     engine_profile = args.engine_profile or args.profile
     config.write_text(json.dumps(serve_config(policy, args.engine, engine_profile)))  # YAML 1.2
-    child = start_serve(f"serve-{policy}-{load:g}", logdir, config)
+    child = lg.start_serve(f"serve-{policy}-{load:g}", logdir, config, MODEL)
     try:
         network_s = max(0.0, probe_s(child.url) - lone_request_s(config, args.profile))
         schedule_pairs = [(a.arrival_s, a.priority or "low") for a in arrivals]
         before = worker_batches(child.url)
-        sent, _, _ = asyncio.run(
-            bg.open_loop(child.url, bg.bodies(MODEL), schedule_pairs, args.drain_s, "raw", {})
-        )
+        sent = bg.send_schedule(child.url, schedule_pairs, args.drain_s, "raw", {}).records
         real_batches = batches_between(before, worker_batches(child.url))
     finally:
-        bg.stop(child)
+        lg.stop(child)
     simulated, sim_batches = simulate(config, policy, args.profile, arrivals, network_s)
     rows = []
     for name, _ in MIX:
-        real = [s for s in sent if s.cls == name]
-        ok = [s.latency_s for s in real if s.status == 200]
+        real = [s for s in sent if s.tag == name]
+        ok = [s.latency for s in real if s.status == 200]
         sim_done, sim_refused = simulated[name]
         rows.append(
             ClassResult(
@@ -273,10 +259,10 @@ def one_pair(
                 len(sim_done),
                 sum(s.status == 429 for s in real),
                 sim_refused,
-                bg.percentile(ok, 50) * 1e3,
-                bg.percentile(sim_done, 50) * 1e3,
-                bg.percentile(ok, 95) * 1e3,
-                bg.percentile(sim_done, 95) * 1e3,
+                lg.percentile(ok, 50) * 1e3,
+                lg.percentile(sim_done, 50) * 1e3,
+                lg.percentile(ok, 95) * 1e3,
+                lg.percentile(sim_done, 95) * 1e3,
             )
         )
     service = load_service(str(args.profile)).batch
@@ -302,8 +288,8 @@ def table(rows: list[ClassResult]) -> str:
         lines.append(
             f"| {r.load:.0%} | {r.policy} | {r.cls} | {r.sent:,} "
             f"| {r.real_completed:,} / {r.sim_completed:,} | {r.real_429:,} / {r.sim_refused:,} "
-            f"| {bg.ms(r.real_p50_ms)} / {bg.ms(r.sim_p50_ms)} | {r.p50_error:+.1%} "
-            f"| {bg.ms(r.real_p95_ms)} / {bg.ms(r.sim_p95_ms)} | {r.p95_error:+.1%} |"
+            f"| {lg.ms(r.real_p50_ms)} / {lg.ms(r.sim_p50_ms)} | {r.p50_error:+.1%} "
+            f"| {lg.ms(r.real_p95_ms)} / {lg.ms(r.sim_p95_ms)} | {r.p95_error:+.1%} |"
         )
     return "\n".join(lines)
 
@@ -368,11 +354,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
-    return parser.parse_args()
-
-
-def interrupted(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    parser.add_argument("--verdict", type=Path, help="write the PASS/MISS rows as JSON here")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: load 0.8 only, 10 s of arrivals, 10 s of drain",
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.loads, args.duration_s, args.drain_s = "0.8", 10.0, 10.0
+    return args
 
 
 def main() -> int:
@@ -391,34 +382,35 @@ def main() -> int:
             f"{args.profile} is a {profile.task} profile; minilm needs embeddings", file=sys.stderr
         )
         return 1
-    signal.signal(signal.SIGTERM, interrupted)
     capacity = capacity_per_s(profile)
     started = time.monotonic()
     print(
         f"bench_sim_fidelity: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M UTC}, {os.cpu_count()} "
-        f"CPUs, {bg.cpu_model()}, Python {platform.python_version()}, engine {args.engine}, "
+        f"CPUs, {lg.cpu_model()}, Python {platform.python_version()}, engine {args.engine}, "
         f"profile {args.profile.name} (capacity {capacity:,.0f} inputs/s)",
         flush=True,
     )
-    logdir = Path(tempfile.mkdtemp(prefix="bench_sim_fidelity_"))
     rows: list[ClassResult] = []
     notes: dict[str, dict[str, Any]] = {}
-    failed = False
+    failure = ""
     try:
-        for load in (float(x) for x in args.loads.split(",")):
-            arrivals = arrivals_for(args.trace, load * capacity, args.duration_s, args.seed)
-            for policy in args.policies.split(","):
-                print(f"  load {load:.0%} ({len(arrivals):,} requests), {policy}", flush=True)
-                pair, notes[f"{load:.0%} {policy}"] = one_pair(load, policy, arrivals, args, logdir)
-                rows += pair
+        with lg.processes("bench_sim_fidelity") as logdir:  # SIGTERM too: every child stopped
+            for load in (float(x) for x in args.loads.split(",")):
+                arrivals = arrivals_for(args.trace, load * capacity, args.duration_s, args.seed)
+                for policy in args.policies.split(","):
+                    print(f"  load {load:.0%} ({len(arrivals):,} requests), {policy}", flush=True)
+                    key = f"{load:.0%} {policy}"
+                    pair, notes[key] = one_pair(load, policy, arrivals, args, logdir)
+                    rows += pair
     except BaseException:
-        failed = True
+        failure = traceback.format_exc()
         traceback.print_exc()
-        print(f"the run failed; process logs kept in {logdir}", flush=True)
-    finally:
-        bg.stop_all()
-        if not failed:
-            shutil.rmtree(logdir, ignore_errors=True)
+    write_verdicts(
+        args.verdict,
+        "bench_sim_fidelity",
+        verdicts(rows) if rows else [],
+        [failure] if failure else [],
+    )
     if not rows:
         return 1
     print()
@@ -447,7 +439,7 @@ def main() -> int:
                 indent=2,
             )
         )
-    return 1 if failed else 0
+    return 1 if failure else 0
 
 
 if __name__ == "__main__":

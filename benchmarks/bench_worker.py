@@ -40,69 +40,44 @@ Targets: at its best batch size the worker reaches >= 85% of the direct best thr
 
 Run (about 3-4 minutes on a quiet machine; ``--quick`` for a smoke run of about a minute):
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_worker.py [--quick] [--out results.json]
-Prints markdown tables, then PASS/MISS lines. Always exits 0.
+    [--verdict verdict.json]
+Prints markdown tables, then PASS/MISS lines (``--verdict``: also as JSON rows, for
+``benchmarks/summary.py``). Always exits 0. The load client, the process handling and the
+quiet-CPU rounds are ``benchmarks/loadgen.py``'s, as in every benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime as dt
 import functools
 import json
 import math
 import os
 import platform
-import re
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
-
-# Before anything imports transformers or tokenizers: offline, and the same tokenizer
-# threading in this process as in the worker processes started below.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from typing import Any, TypeVar
 
 import httpx
 
-TIDEGATE = str(Path(sys.executable).with_name("tidegate"))
+import loadgen as lg
+from direct import GenerateBatch
+from loadgen import Child, StreamRound, fmt, percentile, ratio
+from summary import write_verdicts
+
 EMBED_MODEL = "minilm"
 GEN_MODEL = "tiny-llama"
 GEN_MAX_NUM_SEQS = 16
 GEN_MAX_TOKENS = 64
 TARGET_OF_DIRECT = 0.85
 TARGET_OVER_BATCH1 = 2.5
-READY_TIMEOUT_S = 180.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-NOISY_CORES = 0.25  # other processes' CPU above this during a round: flagged
-
-TOPICS = (
-    "the weather",
-    "a train timetable",
-    "the price of coffee",
-    "a football match",
-    "the new library",
-    "a mountain hike",
-    "an old bicycle",
-    "the city council",
-)
-
-
-def sentences(count: int) -> list[str]:
-    """Short sentences of one style (12 to 16 tokens for MiniLM), all different."""
-    return [
-        f"Note {i}: a short remark about {TOPICS[i % len(TOPICS)]} written on day {i % 31 + 1}."
-        for i in range(count)
-    ]
+R = TypeVar("R")
 
 
 def prompts(count: int) -> list[str]:
@@ -112,350 +87,9 @@ def prompts(count: int) -> list[str]:
     ]
 
 
-# --------------------------------------------------------------------------- statistics
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks; NaN when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def ratio(a: float, b: float) -> float:
-    return a / b if b > 0 and not math.isnan(a) and not math.isnan(b) else math.nan
-
-
-def fmt(value: float, digits: int = 1) -> str:
-    return "n/a" if value is None or math.isnan(value) else f"{value:,.{digits}f}"
-
-
-# --------------------------------------------------------------------------- processes
-@dataclass
-class WorkerProc:
-    url: str
-    process: subprocess.Popen[str]
-    log: Path
-
-    def log_tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
-    def cpu_s(self) -> float:
-        """User + system CPU seconds of the worker process (all its threads)."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-@contextlib.contextmanager
-def worker_process(*args: str) -> Iterator[WorkerProc]:
-    """``tidegate worker ARGS --port 0`` in its own process group, ready; always stopped."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    fd, name = tempfile.mkstemp(prefix="bench_worker-", suffix=".log")
-    log = Path(name)
-    try:
-        process = subprocess.Popen(
-            [TIDEGATE, "worker", "--port", "0", "--log-level", "warning", *args],
-            stdout=subprocess.PIPE,
-            stderr=fd,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-    finally:
-        os.close(fd)
-    try:
-        assert process.stdout is not None
-        url = process.stdout.readline().strip()
-        if not url.startswith("http://"):
-            raise RuntimeError(f"worker printed {url!r} instead of its address")
-        proc = WorkerProc(url, process, log)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"worker exited with status {process.returncode}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"worker not ready after {READY_TIMEOUT_S:.0f}s")
-            time.sleep(0.1)
-        yield proc
-    except Exception:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        print(f"worker log (last lines):\n{tail}", file=sys.stderr, flush=True)
-        raise
-    finally:
-        stop_process(process)
-        log.unlink(missing_ok=True)
-
-
-def stop_process(process: subprocess.Popen[str]) -> None:
-    """SIGTERM the process group, SIGKILL it if it lingers, and reap it."""
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=5)
-    if process.stdout is not None:
-        process.stdout.close()
-
-
-def system_busy_s() -> float:
-    """CPU seconds spent by everything on this machine (all CPUs), from /proc/stat."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return (sum(values) - values[3] - values[4]) / CLK_TCK  # minus idle and iowait
-
-
-class OtherLoad:
-    """CPU used by processes other than this one and the worker, over a span, in cores."""
-
-    def __init__(self, proc: WorkerProc | None) -> None:
-        self.proc = proc
-        self.wall0 = time.perf_counter()
-        self.busy0 = system_busy_s()
-        self.ours0 = self._ours()
-
-    def _ours(self) -> float:
-        return time.process_time() + (self.proc.cpu_s() if self.proc is not None else 0.0)
-
-    def cores(self) -> float:
-        wall = time.perf_counter() - self.wall0
-        others = (system_busy_s() - self.busy0) - (self._ours() - self.ours0)
-        return max(0.0, others) / wall if wall > 0 else math.nan
-
-
-def wait_quiet(proc: WorkerProc, args: argparse.Namespace) -> None:
-    """Wait (bounded) until other processes leave this machine's CPUs nearly idle."""
-    deadline = min(time.monotonic() + args.quiet_wait_s, args.deadline)
-    announced = False
-    while True:
-        load = OtherLoad(proc)
-        time.sleep(0.3)
-        if load.cores() <= NOISY_CORES or time.monotonic() >= deadline:
-            return
-        if not announced:
-            print("    (waiting for other processes to quiet down)", file=sys.stderr, flush=True)
-            announced = True
-
-
-class Noisy(Protocol):
-    other_cores: float
-
-
-A = TypeVar("A", bound=Noisy)
-B = TypeVar("B", bound=Noisy)
-
-
-def measure_pairs(
-    proc: WorkerProc,
-    args: argparse.Namespace,
-    first: Callable[[], A],
-    second: Callable[[], B],
-) -> tuple[list[A], list[B]]:
-    """``args.rounds`` interleaved pairs of rounds, ABBA order, each after a quiet wait.
-
-    A pair during which other processes used more than NOISY_CORES is run again (up to
-    ``args.retries`` extra pairs, while the run's deadline allows); if too few quiet pairs
-    come, the least noisy ones are kept, and the table's noise columns show it.
-    """
-    quiet: list[tuple[A, B]] = []
-    noisy: list[tuple[A, B]] = []
-    tries = 0
-    while len(quiet) < args.rounds:
-        if tries >= args.rounds and (tries >= args.rounds + args.retries or past(args)):
-            break
-        wait_quiet(proc, args)
-        if tries % 2 == 0:
-            a, b = first(), second()
-        else:
-            b, a = second(), first()
-        tries += 1
-        noise = max(a.other_cores, b.other_cores)
-        (quiet if noise <= NOISY_CORES else noisy).append((a, b))
-    noisy.sort(key=lambda pair: max(pair[0].other_cores, pair[1].other_cores))
-    kept = quiet + noisy[: args.rounds - len(quiet)]
-    return [a for a, _ in kept], [b for _, b in kept]
-
-
-def past(args: argparse.Namespace) -> bool:
-    return bool(time.monotonic() >= args.deadline)
-
-
-def metric_sum(text: str, name: str) -> float:
-    """Sum of every sample of ``name`` (all label sets) in Prometheus text format."""
-    total = 0.0
-    for match in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE):
-        total += float(match.group(1))
-    return total
-
-
-# --------------------------------------------------------------------------- load clients
-class LoadClient(Protocol):
-    """What the load generator needs: POST a JSON body, whole or as a stream of SSE events."""
-
-    async def post(self, user: int, path: str, body: bytes) -> tuple[int, bytes]: ...
-
-    def events(self, user: int, path: str, body: bytes) -> AsyncIterator[bytes | int]:
-        """The status code first, then the data of each SSE event."""
-        ...
-
-    async def reset(self, user: int) -> None:
-        """Drop the user's connection after a failure: the next request opens a new one."""
-
-    async def aclose(self) -> None: ...
-
-
-class RawConnection:
-    """One keep-alive HTTP/1.1 connection, no more than the load generator needs."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def _send(self, path: str, body: bytes) -> asyncio.StreamReader:
-        if self.writer is None or self.writer.is_closing():
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        assert self.reader is not None
-        self.writer.write(
-            b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s"
-            % (path.encode(), self.host.encode(), self.port, len(body), body)
-        )
-        return self.reader
-
-    async def _head(self, reader: asyncio.StreamReader) -> tuple[int, int | None, bool]:
-        """(status, content length or None when chunked, close after this response)."""
-        lines = (await reader.readuntil(b"\r\n\r\n")).split(b"\r\n")
-        status = int(lines[0].split(b" ", 2)[1])
-        length: int | None = 0
-        close = False
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            if name == b"content-length":
-                length = int(value)
-            elif name == b"transfer-encoding" and b"chunked" in value.lower():
-                length = None
-            elif name == b"connection" and b"close" in value.lower():
-                close = True
-        return status, length, close
-
-    async def _chunks(self, reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            data = await reader.readexactly(size + 2)
-            if size == 0:
-                return
-            yield data[:-2]
-
-    def _done(self, close: bool) -> None:
-        if close and self.writer is not None:
-            self.writer.close()
-            self.writer = None
-
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        reader = await self._send(path, body)
-        status, length, close = await self._head(reader)
-        if length is None:
-            data = b"".join([chunk async for chunk in self._chunks(reader)])
-        else:
-            data = await reader.readexactly(length)
-        self._done(close)
-        return status, data
-
-    async def events(self, path: str, body: bytes) -> AsyncIterator[bytes | int]:
-        reader = await self._send(path, body)
-        status, length, close = await self._head(reader)
-        yield status
-        if length is not None:
-            await reader.readexactly(length)
-        else:
-            pending = b""
-            async for chunk in self._chunks(reader):
-                pending += chunk
-                *complete, pending = pending.split(b"\n\n")
-                for event in complete:
-                    if event.startswith(b"data: "):
-                        yield event[6:]
-        self._done(close)
-
-    async def aclose(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            with contextlib.suppress(OSError):
-                await self.writer.wait_closed()
-
-
-class RawClient:
-    """One raw connection per simulated user: about 0.1 ms of CPU per request."""
-
-    def __init__(self, url: str) -> None:
-        host, _, port = url.removeprefix("http://").rpartition(":")
-        self.host, self.port = host.strip("[]"), int(port)
-        self.connections: dict[int, RawConnection] = {}
-
-    def _connection(self, user: int) -> RawConnection:
-        if user not in self.connections:
-            self.connections[user] = RawConnection(self.host, self.port)
-        return self.connections[user]
-
-    async def post(self, user: int, path: str, body: bytes) -> tuple[int, bytes]:
-        return await self._connection(user).post(path, body)
-
-    def events(self, user: int, path: str, body: bytes) -> AsyncIterator[bytes | int]:
-        return self._connection(user).events(path, body)
-
-    async def reset(self, user: int) -> None:
-        connection = self.connections.pop(user, None)
-        if connection is not None:
-            await connection.aclose()
-
-    async def aclose(self) -> None:
-        for connection in self.connections.values():
-            await connection.aclose()
-
-
-class HttpxClient:
-    """One ``httpx.AsyncClient`` with a keep-alive pool of ``concurrency`` connections."""
-
-    def __init__(self, url: str, concurrency: int) -> None:
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        self.client = httpx.AsyncClient(base_url=url, limits=limits, timeout=120)
-        self.headers = {"content-type": "application/json"}
-
-    async def post(self, user: int, path: str, body: bytes) -> tuple[int, bytes]:
-        response = await self.client.post(path, content=body, headers=self.headers)
-        return response.status_code, response.content
-
-    async def events(self, user: int, path: str, body: bytes) -> AsyncIterator[bytes | int]:
-        request = self.client.build_request("POST", path, content=body, headers=self.headers)
-        response = await self.client.send(request, stream=True)
-        try:
-            yield response.status_code
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    yield line[6:].encode()
-        finally:
-            await response.aclose()
-
-    async def reset(self, user: int) -> None:
-        pass  # the pool drops a broken connection by itself
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
-
-
-def load_client(kind: str, url: str, concurrency: int) -> LoadClient:
-    return RawClient(url) if kind == "raw" else HttpxClient(url, concurrency)
+def quiet_wait(args: argparse.Namespace) -> lg.QuietWait:
+    """Before each pair of rounds: at most ``--quiet-wait-s``, none after ``--max-run-s``."""
+    return lg.QuietWait(max_s=args.quiet_wait_s, deadline=args.deadline, probe_s=0.3)
 
 
 # --------------------------------------------------------------------------- embeddings
@@ -503,13 +137,11 @@ class EmbedRow:
     worker_errors: int
 
 
-def direct_round(
-    engine: Any, proc: WorkerProc, texts: list[str], batch: int, duration_s: float
-) -> DirectEmbed:
+def direct_round(engine: Any, texts: list[str], batch: int, duration_s: float) -> DirectEmbed:
     out = DirectEmbed()
     offset = 0
     engine.embed_sync(texts[:batch])  # one unmeasured batch: caches warm after the worker ran
-    load = OtherLoad(proc)
+    load = lg.OtherLoad()
     started = time.perf_counter()
     while time.perf_counter() - started < duration_s:
         chunk = [texts[(offset + i) % len(texts)] for i in range(batch)]
@@ -524,7 +156,7 @@ def direct_round(
 
 
 async def worker_round(
-    proc: WorkerProc,
+    proc: Child,
     texts: list[str],
     concurrency: int,
     warmup_s: float,
@@ -534,68 +166,55 @@ async def worker_round(
 ) -> WorkerEmbed:
     """Keep ``concurrency`` single-input requests in flight; measure a window after warm-up."""
     out = WorkerEmbed()
-    window = [math.inf, math.inf]  # [start, end] in perf_counter time
-    stopping = False
-    bodies = [
-        json.dumps({"model": EMBED_MODEL, "input": text, "encoding_format": encoding}).encode()
-        for text in texts
-    ]
-    client = load_client(client_kind, proc.url, concurrency)
+    span = [math.inf, math.inf]  # the window: [start, end] in perf_counter time
+    metrics: list[str] = []
+
+    async def window(side: httpx.AsyncClient) -> None:
+        await asyncio.sleep(warmup_s)
+        metrics.append((await side.get(f"{proc.url}/metrics")).text)
+        cpu0, client0 = proc.cpu_s(), time.process_time()
+        load = lg.OtherLoad()
+        span[0] = time.perf_counter()
+        await asyncio.sleep(duration_s)
+        span[1] = time.perf_counter()
+        out.worker_cpu_s, out.client_cpu_s = proc.cpu_s() - cpu0, time.process_time() - client0
+        out.other_cores = load.cores()
+        metrics.append((await side.get(f"{proc.url}/metrics")).text)
+
+    bodies = lg.embedding_bodies(EMBED_MODEL, texts, encoding)
     async with httpx.AsyncClient(timeout=10) as side:
-
-        async def user(k: int) -> None:
-            index = k
-            while not stopping:
-                body = bodies[index % len(bodies)]
-                index += concurrency
-                t0 = time.perf_counter()
-                try:
-                    status, data = await client.post(k, "/v1/embeddings", body)
-                except (OSError, asyncio.IncompleteReadError, httpx.HTTPError) as exc:
-                    status, data = 0, f"{type(exc).__name__}: {exc}".encode()
-                    await client.reset(k)
-                t1 = time.perf_counter()
-                if status == 200:
-                    if window[0] <= t1 < window[1]:
-                        out.latencies_s.append(t1 - t0)
-                        out.inputs += 1
-                    continue
-                # Every failure counts, in the window or not: none is expected.
-                out.errors += 1
-                if len(out.error_samples) < 5:
-                    out.error_samples.append(f"{status} {data[:300].decode(errors='replace')}")
-                await asyncio.sleep(0.01)
-
-        users = [asyncio.create_task(user(k)) for k in range(concurrency)]
-        try:
-            await asyncio.sleep(warmup_s)
-            before = (await side.get(f"{proc.url}/metrics")).text
-            cpu0, client0 = proc.cpu_s(), time.process_time()
-            load = OtherLoad(proc)
-            window[0] = time.perf_counter()
-            await asyncio.sleep(duration_s)
-            window[1] = time.perf_counter()
-            cpu1, client1 = proc.cpu_s(), time.process_time()
-            out.other_cores = load.cores()
-            after = (await side.get(f"{proc.url}/metrics")).text
-        finally:
-            stopping = True
-            await asyncio.gather(*users, return_exceptions=True)
-            await client.aclose()
-    out.elapsed_s = window[1] - window[0]
-    out.worker_cpu_s = cpu1 - cpu0
-    out.client_cpu_s = client1 - client0
+        records = await lg.closed_loop(
+            proc.url,
+            "/v1/embeddings",
+            bodies,
+            concurrency,
+            window(side),
+            client_kind=client_kind,
+            error_pause_s=0.01,
+        )
+    for record in records:
+        if record.status == 200:
+            if span[0] <= record.end < span[1]:
+                out.latencies_s.append(record.latency)
+                out.inputs += 1
+            continue
+        # Every failure counts, in the window or not: none is expected.
+        out.errors += 1
+        if len(out.error_samples) < 5:
+            out.error_samples.append(record.error)
+    out.elapsed_s = span[1] - span[0]
+    before, after = metrics
     for attr, name in (
         ("batches", "tidegate_batch_size_count"),
         ("batched_inputs", "tidegate_batch_size_sum"),
         ("engine_s", "tidegate_batch_duration_seconds_sum"),
     ):
-        setattr(out, attr, metric_sum(after, name) - metric_sum(before, name))
+        setattr(out, attr, lg.metric_sum(after, name) - lg.metric_sum(before, name))
     return out
 
 
 def worker_round_sync(
-    proc: WorkerProc, texts: list[str], concurrency: int, args: argparse.Namespace
+    proc: Child, texts: list[str], concurrency: int, args: argparse.Namespace
 ) -> WorkerEmbed:
     return asyncio.run(
         worker_round(
@@ -610,16 +229,7 @@ def worker_round_sync(
     )
 
 
-def report_errors(where: str, samples: list[str], proc: WorkerProc) -> None:
-    if samples:
-        print(f"  {where}: failed requests, e.g.:", file=sys.stderr)
-        for sample in samples:
-            print(f"    {sample}", file=sys.stderr)
-        tail = proc.log_tail()
-        print(f"  worker log (last lines):\n{tail or '  (empty)'}", file=sys.stderr, flush=True)
-
-
-def check_worker_answers(proc: WorkerProc, encoding: str) -> None:
+def check_worker_answers(proc: Child, encoding: str) -> None:
     body = {"model": EMBED_MODEL, "input": "a check sentence", "encoding_format": encoding}
     response = httpx.post(f"{proc.url}/v1/embeddings", json=body, timeout=30)
     response.raise_for_status()
@@ -657,12 +267,12 @@ def embed_row(batch: int, direct: list[DirectEmbed], worker: list[WorkerEmbed]) 
     )
 
 
-def run_embeddings(args: argparse.Namespace) -> list[EmbedRow]:
+def run_embeddings(args: argparse.Namespace, logdir: Path) -> list[EmbedRow]:
     from tidegate.engines.embeddings import TransformersEmbeddings
 
     engine = TransformersEmbeddings(EMBED_MODEL)
     engine.load()
-    texts = sentences(512)
+    texts = lg.sentences(512)
     rows: list[EmbedRow] = []
     for batch in args.batch_sizes:
         size = 1
@@ -671,15 +281,16 @@ def run_embeddings(args: argparse.Namespace) -> list[EmbedRow]:
             size *= 2
         worker_args = ["--model", EMBED_MODEL, "--max-batch-size", str(batch)]
         worker_args += ["--batch-window-ms", str(args.batch_window_ms)]
-        with worker_process(*worker_args) as proc:
+        with lg.running(lg.start_worker(f"minilm-{batch}", logdir, *worker_args)) as proc:
             check_worker_answers(proc, args.encoding)
-            direct, worker = measure_pairs(
-                proc,
-                args,
-                functools.partial(direct_round, engine, proc, texts, batch, args.embed_direct_s),
+            direct, worker = lg.measure_pairs(
+                functools.partial(direct_round, engine, texts, batch, args.embed_direct_s),
                 functools.partial(worker_round_sync, proc, texts, 2 * batch, args),
+                rounds=args.rounds,
+                retries=args.retries,
+                quiet=quiet_wait(args),
             )
-            report_errors(f"batch {batch}", [x for r in worker for x in r.error_samples], proc)
+            lg.report_errors(f"batch {batch}", [x for r in worker for x in r.error_samples], proc)
         row = embed_row(batch, direct, worker)
         rows.append(row)
         print(
@@ -694,16 +305,6 @@ def run_embeddings(args: argparse.Namespace) -> list[EmbedRow]:
 
 # --------------------------------------------------------------------------- generation
 @dataclass
-class GenSample:
-    tokens: int = 0
-    busy_s: float = 0.0  # summed wave times
-    ttfts_s: list[float] = field(default_factory=list)
-    waves: int = 0
-    errors: int = 0
-    error_samples: list[str] = field(default_factory=list)
-    other_cores: float = 0.0
-
-
 @dataclass
 class GenRow:
     concurrency: int
@@ -723,203 +324,72 @@ class GenRow:
     other_cores_batch: float
 
 
-async def stream_completion(
-    client: LoadClient, user: int, prompt: str, max_tokens: int
-) -> tuple[float, int, str]:
-    """(TTFT, completion tokens, failure: "" when it succeeded) of one streaming completion."""
-    body = {
-        "model": GEN_MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.perf_counter()
-    ttft = math.nan
-    tokens = 0
-    failure = ""
-    async for item in client.events(user, "/v1/completions", json.dumps(body).encode()):
-        if isinstance(item, int):
-            failure = "" if item == 200 else f"status {item}"
-            continue
-        if b'"error"' in item:
-            failure = failure or item[:300].decode(errors="replace")
-        if math.isnan(ttft) and b'"choices":[{' in item and b'"text":""' not in item:
-            ttft = time.perf_counter() - t0
-        if b'"usage"' in item:
-            tokens = int(json.loads(item)["usage"]["completion_tokens"])
-    if not failure and tokens == 0:
-        failure = "no usage chunk"
-    return ttft, tokens, failure
+def completion_text(event: bytes) -> bool:
+    """A /v1/completions stream event that carries text (the first one marks TTFT)."""
+    return b'"choices":[{' in event and b'"text":""' not in event
 
 
-async def worker_gen_round(
-    proc: WorkerProc,
-    texts: list[str],
-    concurrency: int,
-    duration_s: float,
-    max_tokens: int,
-    client_kind: str,
-) -> GenSample:
-    out = GenSample()
-    load = OtherLoad(proc)
-    client = load_client(client_kind, proc.url, concurrency)
-    try:
-        started = time.perf_counter()
-        while out.waves == 0 or time.perf_counter() - started < duration_s:
-            t0 = time.perf_counter()
-            results = await asyncio.gather(
-                *(stream_completion(client, i, texts[i], max_tokens) for i in range(concurrency)),
-                return_exceptions=True,
-            )
-            out.busy_s += time.perf_counter() - t0
-            out.waves += 1
-            for i, result in enumerate(results):
-                if isinstance(result, BaseException):
-                    result = (math.nan, 0, f"{type(result).__name__}: {result}")
-                    await client.reset(i)
-                ttft, tokens, failure = result
-                out.tokens += tokens
-                if failure:
-                    out.errors += 1
-                    if len(out.error_samples) < 5:
-                        out.error_samples.append(failure)
-                if not math.isnan(ttft):
-                    out.ttfts_s.append(ttft)
-    finally:
-        await client.aclose()
-    out.other_cores = load.cores()
-    return out
-
-
-def worker_gen_round_sync(
-    proc: WorkerProc, texts: list[str], concurrency: int, args: argparse.Namespace
-) -> GenSample:
+def worker_gen_round(
+    proc: Child, texts: list[str], concurrency: int, duration_s: float, args: argparse.Namespace
+) -> StreamRound:
+    """Waves of ``concurrency`` streaming completions sent at once (texts[i] for user i)."""
+    bodies = [
+        json.dumps(
+            {
+                "model": GEN_MODEL,
+                "prompt": texts[i],
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        for i in range(concurrency)
+    ]
     return asyncio.run(
-        worker_gen_round(proc, texts, concurrency, args.gen_round_s, args.max_tokens, args.client)
+        lg.stream_waves(
+            proc.url, "/v1/completions", bodies, duration_s, completion_text, args.client
+        )
     )
 
 
-class BatchGenerator:
-    """transformers' ``generate_batch`` on the tiny-llama folder, sized like the engine."""
+def tiny_llama_direct() -> GenerateBatch:
+    from tidegate.engines.tiny_llama import CONTEXT_TOKENS, ensure_tiny_llama
 
-    def __init__(self, max_tokens: int) -> None:
-        import torch
-        import transformers
-
-        from tidegate.engines.generation import cache_sizing
-        from tidegate.engines.hf_runtime import quiet_transformers
-        from tidegate.engines.tiny_llama import CONTEXT_TOKENS, ensure_tiny_llama
-
-        quiet_transformers()
-        folder = ensure_tiny_llama()
-        hf: Any = transformers  # partly untyped
-        self.tokenizer: Any = hf.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        self.model: Any = hf.AutoModelForCausalLM.from_pretrained(
-            folder, local_files_only=True, attn_implementation="sdpa", dtype=torch.float32
-        )
-        self.model.eval()
-        sizing = cache_sizing(GEN_MAX_NUM_SEQS, CONTEXT_TOKENS)
-        self.cb_config = hf.ContinuousBatchingConfig(
-            page_size=sizing.page_size,
-            num_blocks=sizing.num_blocks,
-            max_batch_tokens=sizing.max_batch_tokens,
-            max_requests_per_batch=GEN_MAX_NUM_SEQS,
-            seed=0,
-        )
-        eos = self.model.generation_config.eos_token_id
-        self.gen_config = hf.GenerationConfig(
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            eos_token_id=eos if eos is not None else -1,
-            pad_token_id=self.tokenizer.pad_token_id or 0,
-        )
-        self.max_tokens = max_tokens
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
-
-    def wave(self, inputs: list[list[int]]) -> tuple[int, float, list[float]]:
-        """(tokens, span from first request created to last token, TTFTs)."""
-        results = self.model.generate_batch(
-            inputs,
-            generation_config=self.gen_config,
-            continuous_batching_config=self.cb_config,
-            record_timestamps=True,
-            progress_bar=False,
-            max_new_tokens=self.max_tokens,
-        )
-        outputs = list(results.values())
-        if len(outputs) != len(inputs):
-            raise RuntimeError(f"generate_batch returned {len(outputs)} of {len(inputs)} outputs")
-        tokens = sum(len(o.generated_tokens) for o in outputs)
-        created = min(o.created_time for o in outputs)
-        last = max(o.timestamps[-1] for o in outputs if o.timestamps)
-        ttfts = [o.timestamps[0] - o.created_time for o in outputs if o.timestamps]
-        return tokens, last - created, ttfts
-
-    def round(self, proc: WorkerProc, inputs: list[list[int]], duration_s: float) -> GenSample:
-        out = GenSample()
-        load = OtherLoad(proc)
-        started = time.perf_counter()
-        while out.waves == 0 or time.perf_counter() - started < duration_s:
-            tokens, span, ttfts = self.wave(inputs)
-            out.tokens += tokens
-            out.busy_s += span
-            out.ttfts_s += ttfts
-            out.waves += 1
-        out.other_cores = load.cores()
-        return out
+    return GenerateBatch(ensure_tiny_llama(), GEN_MAX_NUM_SEQS, CONTEXT_TOKENS)
 
 
-def gen_row(concurrency: int, worker: list[GenSample], batch: list[GenSample]) -> GenRow:
-    w_tok = sum(r.tokens for r in worker)
-    b_tok = sum(r.tokens for r in batch)
-    w_rate = w_tok / sum(r.busy_s for r in worker)
-    b_rate = b_tok / sum(r.busy_s for r in batch)
-    w_waves = sum(r.waves for r in worker)
-    b_waves = sum(r.waves for r in batch)
+def gen_row(concurrency: int, worker: list[StreamRound], batch: list[StreamRound]) -> GenRow:
+    w, b = lg.pool(worker, concurrency), lg.pool(batch, concurrency)
     return GenRow(
-        concurrency=concurrency,
-        worker_tok_per_s=w_rate,
-        worker_ttft_p50_ms=percentile([x for r in worker for x in r.ttfts_s], 50) * 1e3,
-        worker_ttft_p95_ms=percentile([x for r in worker for x in r.ttfts_s], 95) * 1e3,
-        batch_tok_per_s=b_rate,
-        batch_ttft_p50_ms=percentile([x for r in batch for x in r.ttfts_s], 50) * 1e3,
-        worker_over_batch=ratio(w_rate, b_rate),
-        worker_tokens_per_seq=w_tok / (w_waves * concurrency),
-        batch_tokens_per_seq=b_tok / (b_waves * concurrency),
-        worker_waves=w_waves,
-        batch_waves=b_waves,
-        worker_errors=sum(r.errors for r in worker),
-        error_samples=[x for r in worker for x in r.error_samples][:5],
-        other_cores_worker=max(r.other_cores for r in worker),
-        other_cores_batch=max(r.other_cores for r in batch),
+        concurrency=concurrency, worker_waves=w.waves, batch_waves=b.waves, **lg.pair_fields(w, b)
     )
 
 
-def run_generation(args: argparse.Namespace) -> list[GenRow]:
+def run_generation(args: argparse.Namespace, logdir: Path) -> list[GenRow]:
     texts = prompts(max(args.concurrencies))
-    batch_gen = BatchGenerator(args.max_tokens)
+    batch_gen = tiny_llama_direct()
     ids = [batch_gen.encode(t) for t in texts]
-    batch_gen.wave(ids[:4])  # warm the in-process path as the worker warms its own
+    batch_gen.wave(ids[:4], args.max_tokens)  # warm the in-process path as the worker does
     rows: list[GenRow] = []
     worker_args = ["--model", GEN_MODEL, "--max-num-seqs", str(GEN_MAX_NUM_SEQS)]
-    with worker_process(*worker_args) as proc:
+    with lg.running(lg.start_worker("tiny-llama", logdir, *worker_args)) as proc:
         for concurrency in args.concurrencies:
             # One unmeasured wave each, then interleaved rounds.
-            asyncio.run(
-                worker_gen_round(proc, texts, concurrency, 0.0, args.max_tokens, args.client)
+            worker_gen_round(proc, texts, concurrency, 0.0, args)
+            batch_gen.wave(ids[:concurrency], args.max_tokens)
+            worker, batch = lg.measure_pairs(
+                functools.partial(
+                    worker_gen_round, proc, texts, concurrency, args.gen_round_s, args
+                ),
+                functools.partial(
+                    batch_gen.round, ids[:concurrency], args.max_tokens, args.gen_round_s
+                ),
+                rounds=args.rounds,
+                retries=args.retries,
+                quiet=quiet_wait(args),
             )
-            batch_gen.wave(ids[:concurrency])
-            worker, batch = measure_pairs(
-                proc,
-                args,
-                functools.partial(worker_gen_round_sync, proc, texts, concurrency, args),
-                functools.partial(batch_gen.round, proc, ids[:concurrency], args.gen_round_s),
-            )
-            report_errors(
+            lg.report_errors(
                 f"concurrency {concurrency}", [x for r in worker for x in r.error_samples], proc
             )
             row = gen_row(concurrency, worker, batch)
@@ -1013,6 +483,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter rounds")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--verdict", type=Path, help="write the PASS/MISS rows as JSON here")
     parser.add_argument("--batch-sizes", type=int, nargs="+", help="override the sizes")
     parser.add_argument("--concurrencies", type=int, nargs="+", help="override them")
     parser.add_argument("--skip-embeddings", action="store_true")
@@ -1093,21 +564,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"load client {args.client}, encoding_format {args.encoding}",
         flush=True,
     )
-    embed_rows: list[EmbedRow] = []
-    gen_rows: list[GenRow] = []
     failures: list[str] = []
-    if not args.skip_embeddings:
-        print("embeddings ...", file=sys.stderr, flush=True)
+
+    def part(name: str, skip: bool, run: Callable[[argparse.Namespace, Path], list[R]]) -> list[R]:
+        if skip:
+            return []
+        print(f"{name} ...", file=sys.stderr, flush=True)
         try:
-            embed_rows = run_embeddings(args)
+            return run(args, logdir)
         except Exception:
-            failures.append("embeddings:\n" + traceback.format_exc())
-    if not args.skip_generation:
-        print("generation ...", file=sys.stderr, flush=True)
-        try:
-            gen_rows = run_generation(args)
-        except Exception:
-            failures.append("generation:\n" + traceback.format_exc())
+            failures.append(f"{name}:\n" + traceback.format_exc())
+            return []
+
+    with lg.processes("bench_worker") as logdir:
+        embed_rows = part("embeddings", args.skip_embeddings, run_embeddings)
+        gen_rows = part("generation", args.skip_generation, run_generation)
     meta["total_s"] = round(time.monotonic() - started, 1)
 
     if embed_rows:
@@ -1124,11 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(line)
     noise = [r.other_cores_direct for r in embed_rows] + [r.other_cores_worker for r in embed_rows]
     noise += [r.other_cores_worker for r in gen_rows] + [r.other_cores_batch for r in gen_rows]
-    if noise and max(noise) > NOISY_CORES:
-        print(
-            f"NOTE: other processes used up to {max(noise):.2f} of {os.cpu_count()} CPUs during "
-            "a measured round: the figures of those rows are disturbed"
-        )
+    lg.note_noise(noise)
     for label, rows in (("batch", embed_rows), ("concurrency", gen_rows)):
         for row in rows:
             if row.worker_errors:
@@ -1139,6 +606,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for failure in failures:
         print(f"\nFAILED {failure}")
     print(f"\ntotal {meta['total_s']:.0f} s")
+    write_verdicts(
+        args.verdict,
+        "bench_worker",
+        verdicts(embed_rows) if not args.skip_embeddings else [],
+        failures,
+    )
     if args.out is not None:
         args.out.write_text(
             json.dumps(
