@@ -45,14 +45,10 @@ unit: $(VENV)/.installed-dev system-packages
 
 test: lint typecheck unit
 
+# Every benchmark, then one PASS/MISS table (a failed one shows as ERROR with its exit code).
+# BENCH_ARGS=--quick for the smoke runs; --only NAME... for some.
 bench: $(VENV)/.installed-dev
-	$(BIN)/python benchmarks/bench_queue.py
-	$(BIN)/python benchmarks/bench_worker.py
-	$(BIN)/python benchmarks/bench_generation.py
-	$(BIN)/python benchmarks/bench_gateway.py
-	$(BIN)/python benchmarks/bench_sim.py
-	$(BIN)/python benchmarks/bench_sim_fidelity.py
-	$(BIN)/python benchmarks/bench_autoscale.py
+	$(BIN)/python benchmarks/summary.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
