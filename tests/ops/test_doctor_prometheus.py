@@ -1,0 +1,83 @@
+"""Doctor reading a real Prometheus (Debian's) that scrapes an overloaded tidegate: the
+gateway directly, its workers through the gateway's http_sd endpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from tests.gateway.harness import flat_profile
+from tests.gateway.test_observe_prometheus import prometheus
+from tests.ops.doctor_load import load, one_slot_model, tidegate, write_config
+from tests.procs import DEADLINE_S, gateway_process, wait_for
+from tidegate.gateway.observe import TARGETS_PATH
+
+
+def _scrape_config(tmp_path: Path, gateway_url: str) -> Path:
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [
+            {
+                "job_name": "tidegate-gateway",
+                "static_configs": [{"targets": [gateway_url.removeprefix("http://")]}],
+            },
+            {
+                "job_name": "tidegate-workers",
+                "honor_labels": True,
+                "http_sd_configs": [
+                    {"url": f"{gateway_url}{TARGETS_PATH}", "refresh_interval": "1s"}
+                ],
+            },
+        ],
+    }
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _value(url: str, expr: str) -> float:
+    answer = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=DEADLINE_S)
+    result: list[dict[str, Any]] = answer.json()["data"]["result"]
+    return sum(float(series["value"][1]) for series in result)
+
+
+def test_overload_read_back_from_prometheus(tmp_path: Path) -> None:
+    profile = flat_profile(tmp_path / "profile.json", latency_ms=200)
+    config = write_config(tmp_path, [one_slot_model(profile)])
+    with gateway_process("--config", str(config)) as gateway:
+        scrape = _scrape_config(tmp_path, gateway.url)
+        with (
+            prometheus(scrape, tmp_path / "prometheus-data") as prom,
+            load(gateway.url, "sim", {"high": 8, "low": 4}),
+        ):
+            shed = 'sum(tidegate_requests_total{priority="high",outcome="rejected_full"})'
+            wait_for(lambda: _value(prom, shed) > 0)
+            wait_for(lambda: _value(prom, "sum(tidegate_batch_size_count)") > 0)
+            seen = _value(prom, 'sum(tidegate_requests_total{outcome="completed"})')
+            wait_for(
+                lambda: _value(prom, 'sum(tidegate_requests_total{outcome="completed"})') > seen
+            )
+            result = tidegate(
+                "doctor",
+                "--prometheus",
+                prom,
+                "--range",
+                "1h",
+                "--config",
+                str(config),
+                "--p99-slo",
+                "0.3",
+                "--json",
+            )
+    assert result.returncode == 2, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    rules = [f["rule"] for f in report["findings"]]
+    assert rules[0] == "high_priority_shed"
+    assert {"rejection_storm", "batches_too_small", "autoscale_stuck"} <= set(rules), rules
+    by_rule = {f["rule"]: f for f in report["findings"]}
+    assert "-    max_size: 4" in by_rule["high_priority_shed"]["config_diff"]
+    assert "+    max_batch_size: 2" in by_rule["batches_too_small"]["config_diff"]
