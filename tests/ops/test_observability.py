@@ -29,16 +29,16 @@ from tests.ops.observability_fixtures import (
 )
 from tidegate.cli import app
 from tidegate.config import TidegateConfig
+from tidegate.ops.grafana import SCALE_EVENTS_ANNOTATION, panel_queries, render_dashboard
 from tidegate.ops.observability import (
+    ADMIN_KEY_FILE,
     DASHBOARD_FILE,
     RULES_FILE,
-    SCALE_EVENTS_ANNOTATION,
     SCRAPE_FILE,
     alert_names,
     level_slo_s,
-    panel_queries,
-    render_dashboard,
     render_rules,
+    render_scrape_config,
     write_observability,
 )
 
@@ -154,8 +154,6 @@ def test_slo_per_level_comes_from_the_config(config: TidegateConfig) -> None:
 
 
 def test_scrape_config_reaches_workers_through_the_gateway(config: TidegateConfig) -> None:
-    from tidegate.ops.observability import render_scrape_config
-
     scrape = render_scrape_config(config)
     jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
     assert jobs["tidegate-gateway"]["static_configs"] == [{"targets": ["127.0.0.1:8000"]}]
@@ -166,8 +164,6 @@ def test_scrape_config_reaches_workers_through_the_gateway(config: TidegateConfi
 
 
 def test_scrape_config_with_keys_sends_the_admin_key_as_bearer(tmp_path: Path) -> None:
-    from tidegate.ops.observability import ADMIN_KEY_FILE, render_scrape_config
-
     data = config_dict(write_profile(tmp_path / "profile.json"))
     data["keys"] = [{"name": "ops", "sha256": "0" * 64, "role": "admin"}]
     scrape = render_scrape_config(load(tmp_path, data))

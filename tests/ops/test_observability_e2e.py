@@ -29,12 +29,11 @@ import yaml
 from tests.ops.observability_fixtures import config_dict, grafana_to_promql, write_profile
 from tests.procs import DEADLINE_S, gateway_process, stop, wait_for
 from tidegate.config import load_config
+from tidegate.ops.grafana import panel_queries, render_dashboard
 from tidegate.ops.observability import (
     ADMIN_KEY_FILE,
     RULES_FILE,
     SCRAPE_FILE,
-    panel_queries,
-    render_dashboard,
     render_rules,
     render_scrape_config,
 )

@@ -18,7 +18,8 @@ from tests.ops.observability_fixtures import AlertCase, load, run_alert_case, ru
 from tidegate.config import load_config
 from tidegate.control.k8s import MONITORING_FILE, Manifests, render_manifests, write_manifests
 from tidegate.control.k8s_objects import RenderOptions
-from tidegate.ops.observability import ScaleSource, alert_names, render_dashboard, render_rules
+from tidegate.ops.grafana import render_dashboard
+from tidegate.ops.observability import ScaleSource, alert_names, render_rules
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "autoscaling.yaml"

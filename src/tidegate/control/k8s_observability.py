@@ -27,13 +27,9 @@ from typing import Any
 
 from tidegate.config import TidegateConfig
 from tidegate.control.k8s_objects import RenderOptions, common_labels, metadata
-from tidegate.ops.observability import (
-    GATEWAY_JOB,
-    WORKERS_JOB,
-    ScaleSource,
-    render_dashboard,
-    render_rules,
-)
+from tidegate.ops.grafana import render_dashboard
+from tidegate.ops.observability import ScaleSource, render_rules
+from tidegate.ops.series import GATEWAY_JOB, WORKERS_JOB
 
 __all__ = ["MODEL_ANNOTATION", "POOL_ANNOTATION", "render_monitoring"]
 

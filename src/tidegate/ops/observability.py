@@ -1,20 +1,10 @@
-"""Prometheus rules, a Prometheus scrape configuration and a Grafana dashboard for a config.
+"""Prometheus rules and a Prometheus scrape configuration for a config; the files.
 
-``tidegate observability render --out DIR`` writes them for a plain Prometheus;
-``tidegate k8s render`` wraps the same rules and dashboard in cluster objects
-(``control.k8s_observability``). Everything rendered is a function of the configuration
-alone: the same config gives the same files, byte for byte.
-
-Where the series come from. Two scrape jobs, by name:
-
-- ``tidegate-gateway``: the gateways' ``/metrics`` (queues, outcomes, latency by phase,
-  replicas, the autoscaler's decisions);
-- ``tidegate-workers``: every worker's ``/metrics``, found through the gateway's
-  ``/admin/prometheus/targets`` (http_sd) or, in a cluster, a PodMonitor; each target
-  carries the labels ``model``, ``replica`` and ``pool``.
-
-Both export ``tidegate_requests_total`` and ``tidegate_request_duration_seconds``, so every
-rule names its job: a sum over both would count each request twice.
+``tidegate observability render --out DIR`` writes them with the Grafana dashboard
+(``ops.grafana``) for a plain Prometheus; ``tidegate k8s render`` wraps the same rules and
+dashboard in cluster objects (``control.k8s_observability``). Everything rendered is a
+function of the configuration alone: the same config gives the same files, byte for byte.
+Every rule names its scrape job (``ops.series``).
 
 The alerts, each named after the doctor rule that explains it (``tidegate doctor``):
 
@@ -38,25 +28,18 @@ from typing import Any
 import yaml
 
 from tidegate.config import ModelSpec, TidegateConfig
+from tidegate.ops.grafana import render_dashboard
+from tidegate.ops.series import GATEWAY_JOB, GW, QUANTILES, WINDOW, WK, WORKERS_JOB
 
 __all__ = [
-    "GATEWAY_JOB",
-    "WORKERS_JOB",
     "ScaleSource",
     "alert_names",
     "level_slo_s",
-    "panel_queries",
-    "render_dashboard",
     "render_rules",
     "render_scrape_config",
     "write_observability",
 ]
 
-GATEWAY_JOB = "tidegate-gateway"
-WORKERS_JOB = "tidegate-workers"
-GW = f'job="{GATEWAY_JOB}"'
-WK = f'job="{WORKERS_JOB}"'
-WINDOW = "1m"  # rate window of the recording rules: 4 scrapes at Prometheus' default 15 s
 RULES_FILE = "tidegate-rules.yaml"
 DASHBOARD_FILE = "tidegate-dashboard.json"
 SCRAPE_FILE = "prometheus.yml"
@@ -65,13 +48,6 @@ DEFAULT_COLD_START_BUDGET_S = 60.0  # when autoscaling.cold_start_s is 0 (not st
 SERVER_ERROR_RATIO = 0.05  # share of a model's requests answered 5xx that pages
 SERVER_ERROR_OUTCOMES = "failed|expired|rejected_unavailable"  # 502/500, 504, 503
 REFUSED_OUTCOMES = "shed|rejected_full|rejected_deadline|rejected_holdback|expired"
-QUANTILES = (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
-DASHBOARD_UID = "tidegate"
-SCALE_EVENTS_ANNOTATION = (
-    f"sum by (model, direction, reason) (increase(tidegate_scale_events_total"
-    f'{{{GW},model=~"$model"}}[1m])) > 0'
-)
-SCHEMA_VERSION = 39  # Grafana 10.4 / 11
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,255 +389,6 @@ def render_scrape_config(config: TidegateConfig) -> dict[str, Any]:
             },
         ],
     }
-
-
-# ----------------------------------------------------------------------------- dashboard
-
-
-def _target(expr: str, legend: str, ref: str) -> dict[str, Any]:
-    return {
-        "datasource": {"type": "prometheus", "uid": "${datasource}"},
-        "expr": expr,
-        "legendFormat": legend,
-        "refId": ref,
-    }
-
-
-def _panel(
-    title: str, queries: list[tuple[str, str]], unit: str, *, kind: str = "timeseries"
-) -> dict[str, Any]:
-    targets = [_target(e, legend, chr(ord("A") + i)) for i, (e, legend) in enumerate(queries)]
-    panel: dict[str, Any] = {
-        "type": kind,
-        "title": title,
-        "datasource": {"type": "prometheus", "uid": "${datasource}"},
-        "targets": targets,
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-        "options": {"legend": {"displayMode": "table", "placement": "right"}},
-    }
-    if kind == "heatmap":
-        for target in targets:
-            target["format"] = "heatmap"
-        panel["options"] = {"calculate": False, "yAxis": {"unit": unit}}
-    return panel
-
-
-def _quantiles(phase: str) -> list[tuple[str, str]]:
-    rate = (
-        f'rate(tidegate_request_duration_seconds_bucket{{{GW},model=~"$model",'
-        f'phase="{phase}"}}[$__rate_interval])'
-    )
-    return [
-        (
-            f"histogram_quantile({q}, sum by (model, priority, le) ({rate}))",
-            f"{{{{model}}}} {{{{priority}}}} {name}",
-        )
-        for name, q in QUANTILES
-    ]
-
-
-def _panels() -> list[dict[str, Any]]:
-    sel = f'{GW},model=~"$model"'
-    wsel = f'{WK},model=~"$model"'
-    per_replica = "{{model}} {{replica}}"
-    return [
-        _panel(
-            "Requests per second by model and priority",
-            [
-                (
-                    f"sum by (model, priority) (rate(tidegate_requests_total{{{sel}}}"
-                    "[$__rate_interval]))",
-                    "{{model}} {{priority}}",
-                )
-            ],
-            "reqps",
-        ),
-        _panel(
-            "Queue depth",
-            [
-                (
-                    f"sum by (model, priority) (tidegate_queue_depth{{{sel}}})",
-                    "{{model}} {{priority}}",
-                )
-            ],
-            "short",
-        ),
-        _panel("Time to first token P50 / P95 / P99", _quantiles("ttft"), "s"),
-        _panel("End-to-end latency P50 / P95 / P99", _quantiles("e2e"), "s"),
-        _panel(
-            "Outcomes (429 shed / rejected, 502 failed, 503 unavailable, 504 expired)",
-            [
-                (
-                    f"sum by (model, outcome) (rate(tidegate_requests_total{{{sel}}}"
-                    "[$__rate_interval]))",
-                    "{{model}} {{outcome}}",
-                )
-            ],
-            "reqps",
-        ),
-        _panel(
-            "Replicas by pool and state (scale events as annotations)",
-            [
-                (
-                    f"sum by (model, pool, state) (tidegate_replicas{{{sel}}})",
-                    "{{model}} {{pool}} {{state}}",
-                ),
-                (f"max by (model) (tidegate_desired_replicas{{{sel}}})", "{{model}} desired"),
-            ],
-            "short",
-        ),
-        _panel(
-            "Batch size distribution",
-            [
-                (
-                    f"sum by (le) (rate(tidegate_batch_size_bucket{{{wsel}}}[$__rate_interval]))",
-                    "{{le}}",
-                )
-            ],
-            "short",
-            kind="heatmap",
-        ),
-        _panel(
-            "Start-up, model load and cold start",
-            [
-                (
-                    f"max by (model, replica, phase) (tidegate_worker_startup_seconds{{{wsel}}})",
-                    "{{model}} {{replica}} {{phase}}",
-                ),
-                (
-                    f"sum by (model) (rate(tidegate_cold_start_seconds_sum{{{sel}}}[1h])) / "
-                    f"sum by (model) (rate(tidegate_cold_start_seconds_count{{{sel}}}[1h]))",
-                    "{{model}} mean cold start",
-                ),
-                (
-                    f"sum by (model) (increase(tidegate_cold_start_seconds_count{{{sel}}}[1h]))",
-                    "{{model}} cold starts (1 h)",
-                ),
-            ],
-            "s",
-        ),
-        _panel(
-            "CPU and GPU utilisation per replica",
-            [
-                (
-                    f"sum by (model, replica) (rate(process_cpu_seconds_total{{{wsel}}}"
-                    "[$__rate_interval])) * 100",
-                    f"{per_replica} CPU",
-                ),
-                (
-                    f"max by (model, replica, gpu) (DCGM_FI_DEV_GPU_UTIL{{{wsel}}})",
-                    f"{per_replica} GPU",
-                ),
-            ],
-            "percent",
-        ),
-        _panel(
-            "Memory per replica",
-            [
-                (
-                    f"max by (model, replica) (process_resident_memory_bytes{{{wsel}}})",
-                    f"{per_replica} RSS",
-                ),
-                (
-                    f"max by (model, replica, gpu) (DCGM_FI_DEV_FB_USED{{{wsel}}}) * 1048576",
-                    f"{per_replica} GPU used",
-                ),
-                (
-                    f"max by (model, replica, gpu) (DCGM_FI_DEV_FB_FREE{{{wsel}}}) * 1048576",
-                    f"{per_replica} GPU free",
-                ),
-            ],
-            "bytes",
-        ),
-        _panel(
-            "Doctor's findings",
-            [
-                (
-                    f"max by (rule, severity) (tidegate_doctor_findings{{{GW}}})",
-                    "{{rule}} {{severity}}",
-                )
-            ],
-            "short",
-            kind="table",
-        ),
-    ]
-
-
-def _layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Two columns, 8 rows high; ids in order."""
-    for index, panel in enumerate(panels):
-        panel["id"] = index + 1
-        panel["gridPos"] = {"h": 8, "w": 12, "x": 12 * (index % 2), "y": 8 * (index // 2)}
-    return panels
-
-
-def render_dashboard(config: TidegateConfig) -> dict[str, Any]:
-    """The Grafana dashboard: the panels of the gateway's ``/dashboard``."""
-    models = sorted(config.models)
-    return {
-        "uid": DASHBOARD_UID,
-        "title": "tidegate",
-        "tags": ["tidegate"],
-        "schemaVersion": SCHEMA_VERSION,
-        "version": 1,
-        "editable": True,
-        "refresh": "10s",
-        "time": {"from": "now-1h", "to": "now"},
-        "timezone": "browser",
-        "templating": {
-            "list": [
-                {
-                    "name": "datasource",
-                    "label": "Prometheus",
-                    "type": "datasource",
-                    "query": "prometheus",
-                    "current": {},
-                },
-                {
-                    "name": "model",
-                    "label": "Model",
-                    "type": "query",
-                    "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                    "query": {
-                        "query": f"label_values(tidegate_requests_total{{{GW}}}, model)",
-                        "refId": "models",
-                    },
-                    "definition": f"label_values(tidegate_requests_total{{{GW}}}, model)",
-                    "refresh": 2,
-                    "includeAll": True,
-                    "multi": True,
-                    "allValue": ".*",
-                    "current": {"text": "All", "value": "$__all"},
-                    "options": [],
-                    "sort": 1,
-                    "regex": "",
-                    # the configured models, for a dashboard opened before any traffic
-                    "description": "configured: " + ", ".join(models),
-                },
-            ]
-        },
-        "annotations": {
-            "list": [
-                {
-                    "name": "Scale events",
-                    "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                    "enable": True,
-                    "iconColor": "orange",
-                    "expr": SCALE_EVENTS_ANNOTATION,
-                    "step": "60s",
-                    "titleFormat": "scale {{direction}}",
-                    "textFormat": "{{model}}: {{reason}}",
-                    "tagKeys": "model,direction",
-                }
-            ]
-        },
-        "panels": _layout(_panels()),
-    }
-
-
-def panel_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
-    """(panel title, expr) for every target of every panel."""
-    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p["targets"]]
 
 
 # ----------------------------------------------------------------------------- files
