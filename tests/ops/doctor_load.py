@@ -62,14 +62,14 @@ def load(
             thread.join(DEADLINE_S)
 
 
-def tidegate(*args: str) -> subprocess.CompletedProcess[str]:
-    """The ``tidegate`` command, its output captured."""
+def tidegate(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The ``tidegate`` command (``env``: more variables), its output captured."""
     return subprocess.run(
         [TIDEGATE, *args],
         capture_output=True,
         text=True,
         timeout=3 * DEADLINE_S,
-        env=child_env(),
+        env={**child_env(), **env},
         check=False,
     )
 

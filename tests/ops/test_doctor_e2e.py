@@ -9,6 +9,7 @@ symptom visible (a 429 counted, a cold start, batches on both replicas), never f
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -171,3 +172,29 @@ def test_a_worker_tokenizing_huge_inputs_is_tokenize_bound_and_short_ones_are_no
     with serve(tmp_path, [{"name": "minilm", "replicas": 1}]) as proc:
         assert "tokenize_bound" not in rules_under("the tide comes in")
         assert "tokenize_bound" in rules_under("tide gate " * 20_000)
+
+
+def test_with_keys_doctor_needs_an_admin_key_and_takes_it_from_the_environment(
+    tmp_path: Path,
+) -> None:
+    admin_key, user_key = "sk-test-doctor-admin", "sk-test-doctor-user"
+    keys = [
+        {"name": "ops", "sha256": hashlib.sha256(admin_key.encode()).hexdigest(), "role": "admin"},
+        {"name": "app", "sha256": hashlib.sha256(user_key.encode()).hexdigest()},
+    ]
+    profile = flat_profile(tmp_path / "profile.json", latency_ms=5)
+    with serve(
+        tmp_path, [sim_model(profile)], keys=keys, gateway={"metrics_auth": "admin"}
+    ) as proc:
+        none = tidegate("doctor", "--url", proc.url, "--window", "1s")
+        user = tidegate("doctor", "--url", proc.url, "--window", "1s", "--key", user_key)
+        admin = tidegate(
+            "doctor", "--url", proc.url, "--window", "1s", TIDEGATE_ADMIN_KEY=admin_key
+        )
+    assert none.returncode == 1
+    assert "needs an admin key" in none.stderr
+    assert "TIDEGATE_ADMIN_KEY" in none.stderr
+    assert user.returncode == 1
+    assert "not an admin key" in user.stderr
+    assert admin.returncode == 0, admin.stdout + admin.stderr
+    assert "healthy" in admin.stdout
