@@ -189,7 +189,7 @@ def test_with_keys_doctor_needs_an_admin_key_and_takes_it_from_the_environment(
         none = tidegate("doctor", "--url", proc.url, "--window", "1s")
         user = tidegate("doctor", "--url", proc.url, "--window", "1s", "--key", user_key)
         admin = tidegate(
-            "doctor", "--url", proc.url, "--window", "1s", TIDEGATE_ADMIN_KEY=admin_key
+            "doctor", "--url", proc.url, "--window", "1s", "--verbose", TIDEGATE_ADMIN_KEY=admin_key
         )
     assert none.returncode == 1
     assert "needs an admin key" in none.stderr
@@ -198,3 +198,6 @@ def test_with_keys_doctor_needs_an_admin_key_and_takes_it_from_the_environment(
     assert "not an admin key" in user.stderr
     assert admin.returncode == 0, admin.stdout + admin.stderr
     assert "healthy" in admin.stdout
+    # one idle replica: no batches to size, no second replica to compare with
+    assert "not measured (these rules stayed silent):" in admin.stdout
+    assert "sim: noisy_neighbour: tidegate_batch_duration_seconds of two" in admin.stdout

@@ -691,7 +691,7 @@ RULES: tuple[tuple[Rule, tuple[str, ...]], ...] = (
     (rule_memory, ("tidegate_engine_memory_bytes",)),
     (rule_batches_too_small, ("tidegate_batch_size",)),
     (rule_scale_out_latency, ()),
-    (rule_noisy_neighbour, ("tidegate_batch_duration_seconds per replica",)),
+    (rule_noisy_neighbour, ("tidegate_batch_duration_seconds of two or more replicas",)),
     (rule_autoscale_stuck, ()),
     (rule_scale_in_timeouts, ()),
     (rule_tokenize_bound, ("tidegate_tokenize_seconds",)),
