@@ -489,7 +489,7 @@ def rule_autoscale_stuck(m: ModelWindow, s: Snapshot, t: Thresholds) -> Finding 
         "warning",
         m.model,
         f"{m.model}: {m.queued:g} requests queued (from {m.queued_before:g}) and no scale-up "
-        f"in {s.window_s:g}s",
+        f"in {s.window_s:.0f}s",
         numbers,
         cause,
         fix,
