@@ -124,9 +124,10 @@ async def test_post_keeps_one_connection_alive(server: tuple[str, App]) -> None:
 
 
 @pytest.mark.asyncio
-async def test_post_reports_retry_after_and_headers(server: tuple[str, App]) -> None:
+@pytest.mark.parametrize("kind", ["raw", "httpx"])
+async def test_post_reports_retry_after_and_headers(server: tuple[str, App], kind: str) -> None:
     url, app = server
-    client = lg.RawClient(url)
+    client = lg.load_client(kind, url, 4, HANG_GUARD_S)
     try:
         answer = await client.post("/busy", b"{}", {"x-priority": "high"})
     finally:
@@ -136,9 +137,10 @@ async def test_post_reports_retry_after_and_headers(server: tuple[str, App]) -> 
 
 
 @pytest.mark.asyncio
-async def test_events_stream_status_then_each_event(server: tuple[str, App]) -> None:
+@pytest.mark.parametrize("kind", ["raw", "httpx"])
+async def test_events_stream_status_then_each_event(server: tuple[str, App], kind: str) -> None:
     url, _ = server
-    client = lg.RawClient(url)
+    client = lg.load_client(kind, url, 4, HANG_GUARD_S)
     try:
         items = [item async for item in client.events("/sse", b"{}")]
         again = await client.post("/json", b"{}")  # the connection is reusable after a stream
@@ -148,7 +150,8 @@ async def test_events_stream_status_then_each_event(server: tuple[str, App]) -> 
     assert [json.loads(x)["choices"][0]["text"] for x in items[1:4]] == ["a", "b", "c"]
     assert items[-1] == b"[DONE]"
     assert again.status == 200
-    assert len(client.all) == 1
+    if isinstance(client, lg.RawClient):
+        assert len(client.all) == 1
 
 
 @pytest.mark.asyncio
