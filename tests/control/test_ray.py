@@ -153,7 +153,7 @@ def cluster() -> Iterator[Cluster]:
         cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
         for _ in range(2):
             cluster.add_node(**NODE)
-        cluster.wait_for_nodes()
+        cluster.wait_for_nodes(timeout=DEADLINE_S)  # Ray's default, 30 s, fails on a loaded machine
         assert cluster.address.startswith("127.0.0.1:"), cluster.address  # loopback only
         ray.init(address=cluster.address, namespace="tidegate-test")
         yield cluster
