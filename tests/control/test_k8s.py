@@ -417,7 +417,7 @@ def test_worker_command_carries_the_model_and_listens_on_every_address() -> None
             "tidegate-embed-shared",
             {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "2048"},
         ),
-        ("pools", "tidegate-minilm-shared", {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "300"}),
+        ("pools", "tidegate-minilm-shared", {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "550"}),
         ("embedded", "tidegate-minilm-shared", {}),
     ],
 )
