@@ -105,6 +105,46 @@ CASES = [
         ("+    batch_window_ms: 10.0", "-  slots: 4", "+  slots: 64"),
     ),
     Case(
+        # p99s from coarse buckets: 0.99 s queueing of 2.48 s (one bucket up) looks like time
+        # spent elsewhere; the means (0.81 of 0.99 s) say it is the queue
+        "queueing_read_from_the_means_where_the_p99s_fall_in_different_buckets",
+        replace(
+            HEALTHY,
+            classes=(
+                ClassWindow(
+                    "high",
+                    {"completed": 14},
+                    queue_p99_s=0.99,
+                    e2e_p99_s=2.48,
+                    queue_mean_s=0.81,
+                    e2e_mean_s=0.99,
+                ),
+            ),
+            mean_batch_size=1.0,
+        ),
+        "batches_too_small",
+        _config(batching={"max_batch_size": 1, "batch_window_ms": 5.0}),
+    ),
+    Case(
+        "means_that_spend_the_time_in_the_engine_win_over_queue_heavy_p99s",
+        replace(
+            HEALTHY,
+            classes=(
+                ClassWindow(
+                    "high",
+                    {"completed": 100},
+                    queue_p99_s=2.0,
+                    e2e_p99_s=2.5,
+                    queue_mean_s=0.1,
+                    e2e_mean_s=1.5,
+                ),
+            ),
+            mean_batch_size=1.0,
+        ),
+        None,
+        _config(batching={"max_batch_size": 1, "batch_window_ms": 5.0}),
+    ),
+    Case(
         "high_p99_spent_in_the_engine_is_not_a_batching_finding",
         replace(
             HEALTHY,
@@ -115,10 +155,17 @@ CASES = [
     ),
     Case(
         "peak_near_its_ask_is_memory_near_limit",
-        replace(HEALTHY, replicas=(ReplicaWindow("r0", memory_peak_mb=950),)),
+        replace(
+            HEALTHY, replicas=(ReplicaWindow("r0", memory_peak_mb=950, memory_device="cuda:0"),)
+        ),
         "memory_near_limit",
         _config(),
         ("-    max_batch_size: 32", "+    max_batch_size: 24", "+  memory_mb: 1188"),
+    ),
+    Case(
+        "peak_near_its_ask_where_nothing_places_by_memory_is_silent",
+        replace(HEALTHY, replicas=(ReplicaWindow("r0", memory_peak_mb=950),)),
+        None,
     ),
     Case(
         "peak_far_over_its_ask_is_a_memory_jump",

@@ -22,6 +22,15 @@ from tests.procs import DEADLINE_S, wait_for
 from tidegate.core.diagnose import Thresholds, diagnose
 from tidegate.ops.doctor import gateway_snapshot
 
+OVERLOAD_RULES = {
+    "high_priority_shed",
+    "low_priority_starving",
+    "rejection_storm",
+    "retry_after_ignored",
+    "batches_too_small",
+    "autoscale_stuck",
+}
+
 
 def test_overload_is_diagnosed_and_a_light_load_on_the_same_config_is_healthy(
     tmp_path: Path,
@@ -40,9 +49,26 @@ def test_overload_is_diagnosed_and_a_light_load_on_the_same_config_is_healthy(
 
         with load(proc.url, "sim", {"high": 8, "low": 4}) as counts:
             wait_for(lambda: counts[("high", 429)] > 0 and counts[("low", 429)] > 0)
-            result = tidegate(
-                "doctor", "--url", proc.url, "--window", "3s", "--p99-slo", "0.3", "--json"
-            )
+            # A 3 s window holds a dozen completions: on a loaded machine one window's coarse
+            # histogram quantiles can miss a symptom, so read windows until all are seen.
+            results = []
+
+            def diagnosed() -> bool:
+                results.append(
+                    tidegate(
+                        "doctor", "--url", proc.url, "--window", "3s", "--p99-slo", "0.3", "--json"
+                    )
+                )
+                seen = {
+                    f["rule"] for f in json.loads(results[-1].stdout or "{}").get("findings", [])
+                }
+                return seen >= OVERLOAD_RULES
+
+            try:
+                wait_for(diagnosed, interval_s=0.0)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; the last reading: {results[-1].stdout}") from None
+            result = results[-1]
             # the gateway's own watch sees it too, and exports it as a gauge
             wait_for(
                 lambda: metric(proc.url, "tidegate_doctor_findings", rule="high_priority_shed") > 0
@@ -53,14 +79,7 @@ def test_overload_is_diagnosed_and_a_light_load_on_the_same_config_is_healthy(
     findings = json.loads(result.stdout)["findings"]
     rules = [f["rule"] for f in findings]
     assert rules[0] == "high_priority_shed"  # the critical one ranks first
-    assert {
-        "high_priority_shed",
-        "low_priority_starving",
-        "rejection_storm",
-        "retry_after_ignored",
-        "batches_too_small",
-        "autoscale_stuck",
-    } <= set(rules), rules
+    assert set(rules) >= OVERLOAD_RULES, rules
     by_rule = {f["rule"]: f for f in findings}
     assert "+    max_batch_size: 2" in by_rule["batches_too_small"]["config_diff"]
     assert "-    target_per_replica: 1000.0" in by_rule["autoscale_stuck"]["config_diff"]
@@ -87,8 +106,9 @@ def test_memory_over_the_ask_and_near_it_against_a_model_that_fits(tmp_path: Pat
     with serve(tmp_path, models) as proc:
         snapshot = gateway_snapshot(proc.url, None, 0.0, wait=lambda _: None)
     found = {(f.model, f.rule, f.severity) for f in diagnose(snapshot).findings}
-    # on a CPU host with no declared devices nothing is placed by memory: a warning
-    assert found == {("grown", "memory_jump", "warning"), ("tight", "memory_near_limit", "warning")}
+    # on a CPU host with no declared devices nothing is placed by memory: a stale ask is a
+    # warning, and a peak near its ask is no limit there (it is one on a GPU: the table tests)
+    assert found == {("grown", "memory_jump", "warning")}
 
 
 def test_one_slow_replica_is_a_noisy_neighbour_and_equal_ones_are_not(tmp_path: Path) -> None:

@@ -43,6 +43,10 @@ class ClassWindow:
     outcomes: Mapping[str, float] = field(default_factory=dict)  # outcome -> count in window
     queue_p99_s: float | None = None  # gateway queue wait
     e2e_p99_s: float | None = None
+    # Means over the window (histogram sum / count), where the source has them: the share of
+    # time spent queueing, read without the p99s' bucket coarseness.
+    queue_mean_s: float | None = None
+    e2e_mean_s: float | None = None
     queued: float = 0.0  # waiting at the window's end
     queued_before: float = 0.0  # waiting at its start
 
@@ -265,7 +269,11 @@ def rule_batches_too_small(m: ModelWindow, s: Snapshot, t: Thresholds) -> Findin
     if worst is None or p99 <= t.p99_slo_s or m.mean_batch_size is None:
         return None
     queue_p99 = worst.queue_p99_s or 0.0
-    if queue_p99 < t.queue_share * p99:
+    if worst.queue_mean_s is not None and worst.e2e_mean_s:
+        queueing = worst.queue_mean_s >= t.queue_share * worst.e2e_mean_s
+    else:
+        queueing = queue_p99 >= t.queue_share * p99
+    if not queueing:
         return None  # the time goes elsewhere than the queue
     gpu = [r.gpu_util_pct for r in m.replicas if r.gpu_util_pct is not None]
     if gpu and max(gpu) >= t.accelerator_idle_pct:
@@ -335,10 +343,12 @@ def rule_memory(m: ModelWindow, s: Snapshot, t: Thresholds) -> Finding | None:
     if top.device_free_mb is not None:
         numbers["device_free_mb"] = top.device_free_mb
     new_ask = math.ceil(peak * 1.25)
+    # The ask is a limit only where placement counts it: a GPU or a declared device. On a host
+    # whose memory nothing places by (devices: auto on CPU) nothing caps a replica near it.
+    placed = top.memory_device.startswith("cuda") or bool(s.config.get("devices"))
     if share >= t.memory_jump:
-        # Overcommitted placement is an outage on a GPU or a declared device; on a host
-        # whose memory nothing places by (devices: auto on CPU) it is a warning.
-        placed = top.memory_device.startswith("cuda") or bool(s.config.get("devices"))
+        # Overcommitted placement is an outage where memory is placed by; elsewhere a warning
+        # that the ask is stale.
         return Finding(
             "memory_jump",
             "critical" if placed else "warning",
@@ -353,6 +363,8 @@ def rule_memory(m: ModelWindow, s: Snapshot, t: Thresholds) -> Finding | None:
             (_change(m.model, cfg, ("memory_mb",), new_ask),),
             _rate(m.num_requests, s) + 1.0,
         )
+    if not placed:
+        return None
     generate = cfg.get("task") == "generate"
     key = "max_num_seqs" if generate else "max_batch_size"
     current = int(_num(_get(cfg, "batching", key), 16.0 if generate else 32.0))

@@ -166,6 +166,8 @@ def _class_window(w: _Window, model: str, priority: str) -> ClassWindow:
         outcomes={k: v for k, v in outcomes.items() if v > 0},
         queue_p99_s=_gateway_quantile(w, gateway, "queue"),
         e2e_p99_s=_gateway_quantile(w, gateway, "e2e"),
+        queue_mean_s=_gateway_mean(w, gateway, "queue"),
+        e2e_mean_s=_gateway_mean(w, gateway, "e2e"),
         queued=sum(a for _, _, a in depth),
         queued_before=sum(b for _, b, _ in depth),
     )
@@ -178,6 +180,19 @@ def _gateway_quantile(w: _Window, match: dict[str, str], phase: str) -> float | 
         {k: v for k, v in w.after.items() if k[0] == name and "replica" not in dict(k[1])},
     )
     return kept.quantile(0.99, "tidegate_request_duration_seconds", phase=phase, **match)
+
+
+def _gateway_mean(w: _Window, match: dict[str, str], phase: str) -> float | None:
+    name = "tidegate_request_duration_seconds"
+    kept = _Window(
+        {
+            k: v
+            for k, v in w.before.items()
+            if k[0].startswith(name) and "replica" not in dict(k[1])
+        },
+        {k: v for k, v in w.after.items() if k[0].startswith(name) and "replica" not in dict(k[1])},
+    )
+    return kept.mean(name, phase=phase, **match)[0]
 
 
 def _replica_window(w: _Window, model: str, replica: str, info: Mapping[str, str]) -> ReplicaWindow:
