@@ -200,3 +200,28 @@ async def test_targets_need_an_admin_key_when_keys_are_set(key: str | None, stat
         assert answer.headers["www-authenticate"].startswith("Bearer")
     if status == 200:
         assert len(answer.json()) == 4
+
+
+@pytest.mark.asyncio
+async def test_a_removed_replica_leaves_no_per_replica_series(
+    client: tuple[httpx.AsyncClient, Gateway],
+) -> None:
+    """In-flight and ejection gauges per replica go with the replica, as replica_info does."""
+    c, gateway = client
+
+    def replicas_in(text: str, name: str) -> set[str]:
+        return {
+            sample.labels["replica"]
+            for family in text_string_to_metric_families(text)
+            if family.name == name
+            for sample in family.samples
+        }
+
+    before = (await c.get("/metrics")).text
+    gone = gateway.replicas["embed"][4]
+    for name in ("tidegate_inflight", "tidegate_replica_ejected"):
+        assert gone.id in replicas_in(before, name)
+    gateway.remove_replica(gone)
+    after = (await c.get("/metrics")).text
+    for name in ("tidegate_inflight", "tidegate_replica_ejected"):
+        assert replicas_in(after, name) == replicas_in(before, name) - {gone.id}

@@ -47,9 +47,7 @@ class DoctorWatch:
     def evaluate(self) -> Diagnosis:
         """Sample the registry now and diagnose the window since the oldest kept sample."""
         metrics = self.gateway.metrics
-        metrics.replicas.clear()  # as /metrics does: states that no replica holds go away
-        for dispatcher in self.gateway.dispatchers.values():
-            dispatcher.refresh_gauges()
+        self.gateway.refresh_gauges()  # as /metrics does
         now = time.monotonic()
         self.history.append((now, registry_samples(metrics.registry)))
         while len(self.history) > 2 and now - self.history[1][0] >= self.window_s:

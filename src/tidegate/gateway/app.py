@@ -62,9 +62,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         authorize_metrics(config, request)  # gateway.metrics_auth: open, key or admin
-        gateway.metrics.replicas.clear()
-        for dispatcher in gateway.dispatchers.values():
-            dispatcher.refresh_gauges()
+        gateway.refresh_gauges()
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses={401: _error_response(401)})

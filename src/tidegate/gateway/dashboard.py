@@ -122,9 +122,7 @@ def add_dashboard_routes(app: FastAPI, gateway: Gateway) -> None:
 async def snapshot(gateway: Gateway, app: FastAPI, token: str | None) -> dict[str, Any]:
     """What the page draws from: the gateway's series now, each replica's, doctor's."""
     # One instant, no await in between: the same numbers /metrics would show now.
-    gateway.metrics.replicas.clear()
-    for dispatcher in gateway.dispatchers.values():
-        dispatcher.refresh_gauges()
+    gateway.refresh_gauges()
     at = time.time()
     samples = registry_samples(gateway.metrics.registry)
     replicas = [r for rs in gateway.replicas.values() for r in rs]

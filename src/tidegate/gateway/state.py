@@ -76,6 +76,14 @@ class Gateway:
         if dispatcher is not None:
             dispatcher.wake()
 
+    def refresh_gauges(self) -> None:
+        """The gauges as of now, for a scrape: series of replicas and states that no longer
+        exist go away (a scaled-in replica's in-flight and ejection series too)."""
+        for gauge in (self.metrics.replicas, self.metrics.inflight, self.metrics.ejected):
+            gauge.clear()
+        for dispatcher in self.dispatchers.values():
+            dispatcher.refresh_gauges()
+
     def add_replica(self, replica: Replica) -> None:
         """A replica the controller started: routed to once it is READY."""
         self.replicas[replica.model].append(replica)
