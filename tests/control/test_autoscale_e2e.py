@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import threading
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.loadthreads import ClosedLoop
 from tests.procs import DEADLINE_S, TIDEGATE, gateway_process, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -79,41 +78,13 @@ def _config(tmp_path: Path) -> Path:
     return path
 
 
-class _Load:
+def _load(url: str, clients: int) -> ClosedLoop:
     """``clients`` threads each sending one request after another until stopped."""
 
-    def __init__(self, url: str, clients: int) -> None:
-        self.url = url
-        self.statuses: Counter[int] = Counter()
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
+    def embed(client: httpx.Client) -> httpx.Response:
+        return client.post(f"{url}/v1/embeddings", json={"model": "sim", "input": "tide"})
 
-    def __enter__(self) -> _Load:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=DEADLINE_S)
-
-    def served(self) -> int:
-        with self._lock:
-            return self.statuses.total()
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=DEADLINE_S) as client:
-            while not self._stop.is_set():
-                response = client.post(
-                    f"{self.url}/v1/embeddings", json={"model": "sim", "input": "tide"}
-                )
-                with self._lock:
-                    self.statuses[response.status_code] += 1
-                    if response.status_code != 200:
-                        self.errors.append(response.text[:200])
+    return ClosedLoop([("", embed)] * clients)
 
 
 def _autoscaler(url: str) -> dict[str, Any]:
@@ -146,13 +117,13 @@ def _held_for_the_window(decisions: list[dict[str, Any]]) -> float:
 def test_burst_scales_up_then_down_after_the_window_and_loses_nothing(tmp_path: Path) -> None:
     with gateway_process("--config", str(_config(tmp_path))) as gateway:
         assert _autoscaler(gateway.url)["replicas"] == 1
-        with _Load(gateway.url, clients=16) as burst:
+        with _load(gateway.url, clients=16) as burst:
             # 16 in flight on one replica: 4x the target.
             wait_for(lambda: _autoscaler(gateway.url)["replicas"] == 3, timeout_s=DEADLINE_S)
             wait_for(lambda: _ready(gateway.url) == 3, timeout_s=2 * DEADLINE_S)
             served = burst.served()  # served by three replicas for a while
             wait_for(lambda: burst.served() >= served + 100, timeout_s=2 * DEADLINE_S)
-        with _Load(gateway.url, clients=2) as trickle:  # in flight during the scale-in
+        with _load(gateway.url, clients=2) as trickle:  # in flight during the scale-in
             wait_for(lambda: _autoscaler(gateway.url)["replicas"] == 1, timeout_s=2 * DEADLINE_S)
             served = trickle.served()  # and after it, on the one replica left
             wait_for(lambda: trickle.served() >= served + 10, timeout_s=DEADLINE_S)

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import shutil
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from importlib import resources
@@ -40,6 +39,7 @@ from tests.gateway.test_dashboard import (
     snapshot_samples,
     write_config,
 )
+from tests.loadthreads import ClosedLoop, Send
 from tests.procs import DEADLINE_S, Proc, gateway_process, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -201,47 +201,21 @@ def assert_cell(cells: dict[str, Any], key: str, expected: float | None) -> None
 
 
 # ------------------------------------------------------------------------- the scenario
-class Load:
-    """Client threads per priority, each sending one request after another until stopped."""
+def dashboard_load(url: str) -> ClosedLoop:
+    """Client threads per priority, each sending one request after another until stopped,
+    and streaming chat clients."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.statuses: Counter[int] = Counter()
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._run, args=(priority,))
-            for priority, clients in LOAD.items()
-            for _ in range(clients)
-        ]
-        self._threads += [threading.Thread(target=self._chat) for _ in range(CHAT_CLIENTS)]
-
-    def __enter__(self) -> Load:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=DEADLINE_S)
-            assert not thread.is_alive(), "a request hung"
-
-    def served(self) -> int:
-        with self._lock:
-            return self.statuses.total()
-
-    def _run(self, priority: str) -> None:
+    def embed(priority: str) -> Send:
         headers = {"Authorization": f"Bearer {USER_KEY}", "X-Priority": priority}
-        with httpx.Client(headers=headers, timeout=DEADLINE_S) as client:
-            while not self._stop.is_set():
-                answer = client.post(
-                    f"{self.url}/v1/embeddings", json={"model": "sim", "input": "tide"}
-                )
-                with self._lock:
-                    self.statuses[answer.status_code] += 1
 
-    def _chat(self) -> None:
+        def send(client: httpx.Client) -> httpx.Response:
+            return client.post(
+                f"{url}/v1/embeddings", json={"model": "sim", "input": "tide"}, headers=headers
+            )
+
+        return send
+
+    def chat(client: httpx.Client) -> httpx.Response:
         headers = {"Authorization": f"Bearer {USER_KEY}"}
         payload = {
             "model": "chat",
@@ -249,14 +223,16 @@ class Load:
             "max_tokens": 8,
             "stream": True,
         }
-        with httpx.Client(headers=headers, timeout=DEADLINE_S) as client:
-            while not self._stop.is_set():
-                url = f"{self.url}/v1/chat/completions"
-                with client.stream("POST", url, json=payload) as answer:
-                    for _ in answer.iter_lines():
-                        pass
-                with self._lock:
-                    self.statuses[answer.status_code] += 1
+        with client.stream(
+            "POST", f"{url}/v1/chat/completions", json=payload, headers=headers
+        ) as answer:
+            for _ in answer.iter_lines():
+                pass
+        return answer
+
+    loops = [(p, embed(p)) for p, clients in LOAD.items() for _ in range(clients)]
+    loops += [("chat", chat)] * CHAT_CLIENTS
+    return ClosedLoop(loops, hang_fails=True)
 
 
 def scaling_config(tmp_path: Path) -> Path:
@@ -447,7 +423,7 @@ def test_page_shows_the_live_numbers_of_metrics_under_load(browser: Any, tmp_pat
             page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
             fetched: list[Any] = []
             page.on("response", lambda r: r.url.endswith("/dashboard/data") and fetched.append(r))
-            with Load(gateway.url) as load:
+            with dashboard_load(gateway.url) as load:
                 opened = page.goto(f"{gateway.url}/dashboard")
                 assert opened is not None
                 assert opened.status == 200
@@ -458,7 +434,7 @@ def test_page_shows_the_live_numbers_of_metrics_under_load(browser: Any, tmp_pat
     assert problems == []
 
 
-def check_under_load(page: Any, fetched: list[Any], gateway: Proc, load: Load) -> None:
+def check_under_load(page: Any, fetched: list[Any], gateway: Proc, load: ClosedLoop) -> None:
     # The scale-up is marked, both replicas are measured, rates are on the page.
     page.wait_for_function(
         """() => document.querySelectorAll(
@@ -501,7 +477,7 @@ def check_under_load(page: Any, fetched: list[Any], gateway: Proc, load: Load) -
         assert before.get(key, 0.0) <= data[key] <= after[key], key
 
 
-def check_when_idle(page: Any, fetched: list[Any], gateway: Proc, load: Load) -> None:
+def check_when_idle(page: Any, fetched: list[Any], gateway: Proc, load: ClosedLoop) -> None:
     """Load stopped, nothing queued or in flight: the page's totals are /metrics' totals."""
     wait_for(lambda: idle(gateway))
     wait_for_polls(page, 2)  # a poll that started after the last request ended

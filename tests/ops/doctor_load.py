@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 import httpx
 import yaml
 
+from tests.loadthreads import ClosedLoop, Send
 from tests.procs import DEADLINE_S, TIDEGATE, child_env, gateway_process
 from tidegate.ops.snapshot import parse_exposition
 
@@ -36,30 +36,19 @@ def load(
 ) -> Iterator[Counter[tuple[str, int]]]:
     """Closed-loop clients per priority that retry a 429 at once (ignoring Retry-After);
     counts (priority, status) of their answers."""
-    stop = threading.Event()
-    counts: Counter[tuple[str, int]] = Counter()
     body = json.dumps({"model": model, "input": text})
 
-    def loop(priority: str) -> None:
+    def send(priority: str) -> Send:
         headers = {"X-Priority": priority, "Content-Type": "application/json"}
-        with httpx.Client(base_url=url, timeout=DEADLINE_S) as client:
-            while not stop.is_set():
-                response = client.post("/v1/embeddings", content=body, headers=headers)
-                counts[(priority, response.status_code)] += 1
 
-    threads = [
-        threading.Thread(target=loop, args=(priority,), daemon=True)
-        for priority, n in clients.items()
-        for _ in range(n)
-    ]
-    for thread in threads:
-        thread.start()
-    try:
-        yield counts
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(DEADLINE_S)
+        def post(client: httpx.Client) -> httpx.Response:
+            return client.post(f"{url}/v1/embeddings", content=body, headers=headers)
+
+        return post
+
+    loops = [(priority, send(priority)) for priority, n in clients.items() for _ in range(n)]
+    with ClosedLoop(loops, daemon=True) as threads:
+        yield threads.counts
 
 
 def tidegate(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,6 @@ import hashlib
 import shutil
 import socket
 import subprocess
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.loadthreads import ClosedLoop
 from tests.ops.observability_fixtures import config_dict, grafana_to_promql, write_profile
 from tests.procs import DEADLINE_S, gateway_process, stop, wait_for
 from tidegate.config import load_config
@@ -157,36 +157,17 @@ def targets_up(url: str) -> bool:
     return up["tidegate-gateway"] == 1 and up["tidegate-workers"] >= 1
 
 
-class Burst:
+def high_priority_burst(url: str, clients: int) -> ClosedLoop:
     """Threads sending high-priority requests back to back until stopped."""
 
-    def __init__(self, url: str, clients: int) -> None:
-        self.url = url
-        self.statuses: Counter[int] = Counter()
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
+    def high(client: httpx.Client) -> httpx.Response:
+        return client.post(
+            f"{url}/v1/embeddings",
+            json={"model": "chat", "input": "tide"},
+            headers={"X-Priority": "high", "Authorization": f"Bearer {ADMIN_KEY}"},
+        )
 
-    def __enter__(self) -> Burst:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=DEADLINE_S)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=DEADLINE_S) as client:
-            while not self._stop.is_set():
-                answer = client.post(
-                    f"{self.url}/v1/embeddings",
-                    json={"model": "chat", "input": "tide"},
-                    headers={"X-Priority": "high", "Authorization": f"Bearer {ADMIN_KEY}"},
-                )
-                with self._lock:
-                    self.statuses[answer.status_code] += 1
+    return ClosedLoop([("high", high)] * clients)
 
 
 def test_prometheus_scrapes_tidegate_dashboard_has_data_and_shed_alert_fires_then_clears(
@@ -200,7 +181,7 @@ def test_prometheus_scrapes_tidegate_dashboard_has_data_and_shed_alert_fires_the
     ):
         wait_for(lambda: targets_up(prom), DEADLINE_S, 0.2)
         started_at = time.monotonic()
-        with Burst(gateway.url, clients=8) as burst:
+        with high_priority_burst(gateway.url, clients=8) as burst:
             wait_for(lambda: firing(prom, ALERT), DEADLINE_S * 2, 0.5)
             fired_s = time.monotonic() - started_at
             missing: list[str] = []

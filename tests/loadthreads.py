@@ -1,0 +1,67 @@
+"""Closed-loop load from client threads: each thread sends one request after another (the
+next once the answer is in) until the load is stopped, and its answers are counted."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+import httpx
+
+from tests.procs import DEADLINE_S
+
+Send = Callable[[httpx.Client], httpx.Response]
+"""One request on the thread's own client, its answer read to the end."""
+
+
+class ClosedLoop:
+    """One client thread per ``(label, send)`` of ``loops``, started on entering and stopped
+    (then joined, each for up to DEADLINE_S) on leaving. Counts the answers by status
+    (``statuses``) and by label and status (``counts``); keeps the start of every non-200
+    body that was read (``errors``). ``hang_fails``: a thread still running after its join
+    fails the test ("a request hung"); ``daemon``: the threads are daemon threads."""
+
+    def __init__(
+        self, loops: Iterable[tuple[str, Send]], *, daemon: bool = False, hang_fails: bool = False
+    ) -> None:
+        self.statuses: Counter[int] = Counter()
+        self.counts: Counter[tuple[str, int]] = Counter()
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._hang_fails = hang_fails
+        self._threads = [
+            threading.Thread(target=self._run, args=(label, send), daemon=daemon)
+            for label, send in loops
+        ]
+
+    def __enter__(self) -> ClosedLoop:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=DEADLINE_S)
+            if self._hang_fails:
+                assert not thread.is_alive(), "a request hung"
+
+    def served(self) -> int:
+        """Answers so far, of any status."""
+        with self._lock:
+            return self.statuses.total()
+
+    def _run(self, label: str, send: Send) -> None:
+        with httpx.Client(timeout=DEADLINE_S) as client:
+            while not self._stop.is_set():
+                answer = send(client)
+                with self._lock:
+                    self.statuses[answer.status_code] += 1
+                    self.counts[(label, answer.status_code)] += 1
+                    if answer.status_code != 200:
+                        try:
+                            self.errors.append(answer.text[:200])
+                        except httpx.ResponseNotRead:  # a stream, read line by line
+                            self.errors.append(f"{answer.status_code} (a stream)")
