@@ -7,12 +7,7 @@ a free loopback port); the server is always stopped. Waits are for Prometheus' o
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import shutil
-import socket
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +16,8 @@ import pytest
 import yaml
 
 from tests.gateway.harness import flat_profile
-from tests.procs import DEADLINE_S, Proc, gateway_process, stop, wait_for
+from tests.procs import DEADLINE_S, Proc, gateway_process, wait_for
+from tests.promserver import PROMETHEUS_READY_S, prometheus
 from tidegate.gateway.observe import TARGETS_PATH
 
 pytestmark = pytest.mark.e2e
@@ -29,23 +25,6 @@ pytestmark = pytest.mark.e2e
 ADMIN_KEY = "sk-test-prometheus"
 WORKERS_JOB = "tidegate-workers"
 GATEWAY_JOB = "tidegate-gateway"
-PROMETHEUS_READY_S = 120.0  # a TSDB and a web server on a loaded machine
-
-
-def prometheus_binary() -> str:
-    found = shutil.which("prometheus") or shutil.which("prometheus", path="/usr/bin")
-    if found is None:
-        pytest.fail(
-            "the prometheus binary is missing: run `make system-packages` "
-            "(.ci/system-packages installs Debian's prometheus)"
-        )
-    return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _config(tmp_path: Path) -> Path:
@@ -102,43 +81,6 @@ def _prometheus_config(tmp_path: Path, gateway: Proc) -> Path:
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-@contextlib.contextmanager
-def prometheus(config: Path, data: Path) -> Iterator[str]:
-    """A Prometheus server on a free loopback port; yields its URL once it is ready."""
-    port = free_port()
-    log = (data.parent / "prometheus.log").open("w")
-    process = subprocess.Popen(
-        [
-            prometheus_binary(),
-            f"--config.file={config}",
-            f"--storage.tsdb.path={data}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        def ready() -> bool:
-            assert process.poll() is None, (data.parent / "prometheus.log").read_text()[-2000:]
-            with contextlib.suppress(httpx.TransportError):
-                return httpx.get(f"{url}/-/ready", timeout=5).status_code == 200
-            return False
-
-        wait_for(ready, timeout_s=PROMETHEUS_READY_S)
-        try:
-            yield url
-        except AssertionError as exc:  # what Prometheus said explains most failures
-            tail = (data.parent / "prometheus.log").read_text()[-3000:]
-            raise AssertionError(f"{exc}\nthe prometheus log ends:\n{tail}") from exc
-    finally:
-        stop(process)
-        log.close()
 
 
 def _api(url: str, path: str, **params: str) -> Any:

@@ -11,9 +11,9 @@ import httpx
 import yaml
 
 from tests.gateway.harness import flat_profile
-from tests.gateway.test_observe_prometheus import prometheus
 from tests.ops.doctor_load import load, one_slot_model, tidegate, write_config
 from tests.procs import DEADLINE_S, gateway_process, wait_for
+from tests.promserver import prometheus
 from tidegate.gateway.observe import TARGETS_PATH
 
 

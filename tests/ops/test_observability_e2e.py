@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import shutil
-import socket
-import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -27,7 +24,8 @@ import yaml
 
 from tests.loadthreads import ClosedLoop
 from tests.ops.observability_fixtures import config_dict, grafana_to_promql, write_profile
-from tests.procs import DEADLINE_S, gateway_process, stop, wait_for
+from tests.procs import DEADLINE_S, gateway_process, wait_for
+from tests.promserver import prometheus as prometheus_server
 from tidegate.config import load_config
 from tidegate.ops.grafana import panel_queries, render_dashboard
 from tidegate.ops.observability import (
@@ -40,21 +38,11 @@ from tidegate.ops.observability import (
 
 pytestmark = pytest.mark.e2e
 
-PROMETHEUS_FIX = (
-    "prometheus (Debian's package) is not installed. Fix: make system-packages "
-    "(or: sudo apt-get install -y --no-install-recommends prometheus)"
-)
 ALERT = "TidegateHighPriorityShed"
 # Series only a worker on a CUDA device exports (NVML): these simulated workers run on cpu.
 GPU_ONLY = "DCGM_FI_"
 ADMIN_KEY = "sk-observability-e2e"
 CLEAR_DEADLINE_S = 300.0  # the alert's 1 m rate window, then evaluation, on a busy machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def overload_config(tmp_path: Path) -> Path:
@@ -89,8 +77,6 @@ def overload_config(tmp_path: Path) -> Path:
 @contextlib.contextmanager
 def prometheus(folder: Path, gateway_url: str) -> Iterator[str]:
     """A Prometheus with the rendered rules and scrape config, aimed at ``gateway_url``."""
-    binary = shutil.which("prometheus")
-    assert binary is not None, PROMETHEUS_FIX
     config = load_config(folder / "tidegate.yaml")
     (folder / RULES_FILE).write_text(yaml.safe_dump(render_rules(config), sort_keys=False))
     scrape = render_scrape_config(config)
@@ -103,35 +89,14 @@ def prometheus(folder: Path, gateway_url: str) -> Iterator[str]:
     )
     (folder / SCRAPE_FILE).write_text(yaml.safe_dump(scrape, sort_keys=False))
     (folder / ADMIN_KEY_FILE).write_text(ADMIN_KEY)
-    port = free_port()
-    log = (folder / "prometheus.log").open("w")
-    process = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={folder / SCRAPE_FILE}",
-            f"--storage.tsdb.path={folder / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-        text=True,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        def ready() -> bool:
-            assert process.poll() is None, (folder / "prometheus.log").read_text()
-            with contextlib.suppress(httpx.TransportError):
-                return httpx.get(f"{url}/-/ready", timeout=5).status_code == 200
-            return False
-
-        wait_for(ready, DEADLINE_S, 0.1)
+    with prometheus_server(
+        folder / SCRAPE_FILE,
+        folder / "data",
+        flags=["--log.level=warn"],
+        ready_s=DEADLINE_S,
+        poll_s=0.1,
+    ) as url:
         yield url
-    finally:
-        stop(process)
-        log.close()
 
 
 def api(url: str, path: str, **params: str) -> Any:
