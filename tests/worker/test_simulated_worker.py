@@ -194,7 +194,10 @@ def test_waiting_sequences_start_in_priority_order(tmp_path: Path) -> None:
         def send(name: str, priority: str) -> None:
             response = httpx.post(
                 f"{worker.url}/v1/completions",
-                json={"model": "sim", "prompt": name, "max_tokens": 1},
+                # four tokens (~0.3 s at 100 ms each) apart: the answers' order is the order
+                # the worker ran them even when a loaded machine wakes client threads late
+                # (one token each, 5 ms apart, once came back out of order under CPU hogs)
+                json={"model": "sim", "prompt": name, "max_tokens": 4},
                 headers={"X-Tidegate-Priority": priority},
                 timeout=DEADLINE_S,
             )
