@@ -19,8 +19,9 @@ class ClosedLoop:
     """One client thread per ``(label, send)`` of ``loops``, started on entering and stopped
     (then joined, each for up to DEADLINE_S) on leaving. Counts the answers by status
     (``statuses``) and by label and status (``counts``); keeps the start of every non-200
-    body that was read (``errors``). ``hang_fails``: a thread still running after its join
-    fails the test ("a request hung"); ``daemon``: the threads are daemon threads."""
+    body that was read and the error of every request that raised (counted as status 0) in
+    ``errors``. ``hang_fails``: a thread still running after its join fails the test ("a
+    request hung"); ``daemon``: the threads are daemon threads."""
 
     def __init__(
         self, loops: Iterable[tuple[str, Send]], *, daemon: bool = False, hang_fails: bool = False
@@ -56,7 +57,14 @@ class ClosedLoop:
     def _run(self, label: str, send: Send) -> None:
         with httpx.Client(timeout=DEADLINE_S) as client:
             while not self._stop.is_set():
-                answer = send(client)
+                try:
+                    answer = send(client)
+                except httpx.HTTPError as error:  # counted as status 0, and the load goes on
+                    with self._lock:
+                        self.statuses[0] += 1
+                        self.counts[(label, 0)] += 1
+                        self.errors.append(f"{label}: {error!r}")
+                    continue
                 with self._lock:
                     self.statuses[answer.status_code] += 1
                     self.counts[(label, answer.status_code)] += 1

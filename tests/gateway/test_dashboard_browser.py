@@ -434,16 +434,37 @@ def test_page_shows_the_live_numbers_of_metrics_under_load(browser: Any, tmp_pat
     assert problems == []
 
 
+# What the page shows of the scale-up, for the wait below and for its failure message.
+SCALED = """() => ({
+  markers: document.querySelectorAll(
+    '#chart-replicas .scale-event[data-direction="up"]').length,
+  ready: document.querySelectorAll('#replica-table td.state-ready').length,
+  measured: document.querySelectorAll('#resource-table td[data-k="cpu_pct"]').length,
+  polls: Number(document.body.dataset.polls || 0),
+  status: document.getElementById("status").textContent,
+})"""
+
+
+def wait_until_scaled(page: Any, gateway: Proc, load: ClosedLoop) -> None:
+    """The scale-up is marked, all three replicas are ready and measured, three polls drawn;
+    a timeout says what the page showed and what the gateway says of its replicas."""
+    condition = f"""() => {{ const s = ({SCALED})();
+      return s.markers > 0 && s.ready == 3 && s.measured == 3 && s.polls >= 3; }}"""
+    try:
+        page.wait_for_function(condition, timeout=DEADLINE_MS)
+    except Exception as error:
+        shown = page.evaluate(SCALED)
+        replicas = httpx.get(f"{gateway.url}/admin/replicas", headers=ADMIN, timeout=DEADLINE_S)
+        raise AssertionError(
+            f"the page never showed the scale-up: {shown}; load served {load.served()}, "
+            f"statuses {dict(load.statuses)}, errors {load.errors[:3]}; "
+            f"/admin/replicas: {replicas.text}"
+        ) from error
+
+
 def check_under_load(page: Any, fetched: list[Any], gateway: Proc, load: ClosedLoop) -> None:
     # The scale-up is marked, both replicas are measured, rates are on the page.
-    page.wait_for_function(
-        """() => document.querySelectorAll(
-             '#chart-replicas .scale-event[data-direction="up"]').length > 0
-           && document.querySelectorAll('#replica-table td.state-ready').length == 3
-           && document.querySelectorAll('#resource-table td[data-k="cpu_pct"]').length == 3
-           && Number(document.body.dataset.polls) >= 3""",
-        timeout=DEADLINE_MS,
-    )
+    wait_until_scaled(page, gateway, load)
     wait_for(lambda: load.served() > 100)
     if os.environ.get("TIDEGATE_DASHBOARD_SCREENSHOT"):
         wait_for_polls(page, 5)
