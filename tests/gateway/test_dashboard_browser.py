@@ -335,8 +335,20 @@ FINDING = {
 }
 
 
+OPENED_AT = 1_700_000_000.0  # the first poll's clock in the faked snapshots
+SCALED_BEFORE = {  # a scale-up 30 s before the page was opened
+    "at": OPENED_AT - 30.0,
+    "model": "emb",
+    "direction": "up",
+    "reason": "target",
+    "from": 1,
+    "to": 2,
+}
+
+
 def fake_snapshot(at: float) -> dict[str, Any]:
-    """What a gateway with one upstream that exports nothing, and one finding, answers."""
+    """What a gateway with one upstream that exports nothing, and one finding, answers; it
+    scaled up 30 s before the page was opened."""
     return {
         "at": at,
         "poll_interval_s": 0.2,
@@ -363,7 +375,7 @@ def fake_snapshot(at: float) -> dict[str, Any]:
                 "process": None,
             }
         ],
-        "scale_events": [],
+        "scale_events": [SCALED_BEFORE],
         "doctor": {"available": True, "findings": [FINDING], "window_s": 60.0, "at": at},
     }
 
@@ -378,7 +390,7 @@ def test_page_shows_findings_and_what_a_replica_does_not_export(browser: Any) ->
     def answer(route: Any) -> None:
         path = route.request.url.removeprefix("http://gateway.test")
         if path == "/dashboard/data":
-            body = json.dumps(fake_snapshot(1_700_000_000.0 + next(polls)))
+            body = json.dumps(fake_snapshot(OPENED_AT + next(polls)))
             route.fulfill(body=body, content_type="application/json")
         elif path == "/dashboard":
             route.fulfill(body=(assets / "index.html").read_text(), content_type="text/html")
@@ -405,6 +417,9 @@ def test_page_shows_findings_and_what_a_replica_does_not_export(browser: Any) ->
         startup = page.locator('#startup-table tr[data-replica="emb-0"] td[data-k]')
         assert startup.all_inner_texts() == ["n/a"] * 4
         assert page.locator("#batch-charts").inner_text() == "emb: n/a (no batch metrics)"
+        # A scale-up from before the page was opened is drawn: the axis reaches back to it.
+        marker = page.locator('#chart-replicas .scale-event[data-direction="up"]')
+        assert float(marker.get_attribute("data-at")) == SCALED_BEFORE["at"]
     finally:
         page.close()
     assert problems == []

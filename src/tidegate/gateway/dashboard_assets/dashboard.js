@@ -442,7 +442,11 @@
   }
 
   function drawCharts(cur) {
-    const to = cur.at, from = Math.max(history[0].at, to - cur.history_s);
+    // From the first poll, or from an earlier scale event still in the history: a page
+    // opened just after a scale-up shows it.
+    const to = cur.at, oldest = to - cur.history_s;
+    const events = cur.scale_events.filter((e) => e.at >= oldest && e.at <= to);
+    const from = Math.max(Math.min(history[0].at, ...events.map((e) => e.at)), oldest);
     const byPrefix = (prefix) => {
       const names = new Set();
       for (const p of history) for (const k in p.values) if (k.startsWith(prefix)) names.add(k);
@@ -455,7 +459,7 @@
     lineChart("chart-depth", byPrefix("depth:"), from, to);
     lineChart("chart-ttft", byPrefix("ttft:"), from, to);
     lineChart("chart-e2e", byPrefix("e2e:"), from, to);
-    const markers = cur.scale_events.map((e) => ({
+    const markers = events.map((e) => ({
       at: e.at, direction: e.direction,
       label: `${e.direction === "up" ? "▲" : "▼"} ${e.model} ${e.from}→${e.to}`,
       title: `${clock(e.at)} ${e.model}: ${e.from} → ${e.to} replicas (${e.reason})`,
