@@ -40,8 +40,12 @@ typecheck: $(VENV)/.installed-dev
 system-packages:
 	.ci/system-packages
 
+# Two workers, each taking whole test files (their module fixtures start a server once):
+# most of a test's time is spent waiting on the processes it starts. 18 min -> 12 min here.
+PYTEST_ARGS ?= -q -n 2 --dist loadfile
+
 unit: $(VENV)/.installed-dev system-packages
-	$(BIN)/pytest -q
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint typecheck unit
 
