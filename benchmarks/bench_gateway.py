@@ -1,33 +1,46 @@
 """Gateway overhead and priority under overload: side by side in one run.
 
 Every server is a real process on 127.0.0.1: ``tidegate worker`` (the replica), ``tidegate
-serve`` (the gateway, with the worker as its static upstream, ``engine: openai``, ``slots:
-64``: what the worker's /stats reports for max batch 32) and, in part 2, a Ray Serve peer
-(``benchmarks/peers/ray_serve_minilm.py``, run by the Python of a separate venv). The load
-generator is this process, a third one: asyncio with keep-alive connections, by default a
-minimal HTTP/1.1 client (``--client httpx`` for one ``httpx.AsyncClient``, whose connection
-pool costs the load generator milliseconds of CPU per request at 64 connections: it would
-measure httpx, not the servers). Requests are ``POST /v1/embeddings`` of one sentence
-(12-16 tokens), ``encoding_format=base64``.
+serve`` (the gateway, with the upstream as its static upstream, ``engine: openai``, ``slots:
+64``: what the worker's /stats reports for max batch 32), in part 1 Debian's nginx as a plain
+reverse proxy and guidellm's mock server as an upstream nobody here wrote, and in part 2 a
+Ray Serve peer (``benchmarks/peers/ray_serve_minilm.py``, run by the Python of a separate
+venv). The load generator is this process, a third one: asyncio with keep-alive connections,
+by default a minimal HTTP/1.1 client (``--client httpx`` for one ``httpx.AsyncClient``, whose
+connection pool costs the load generator milliseconds of CPU per request at 64 connections:
+it would measure httpx, not the servers). Requests to tidegate workers are ``POST
+/v1/embeddings`` of one sentence (12-16 tokens), ``encoding_format=base64``.
 
-1. Overhead. The same worker called directly and through the gateway, closed loop, the same
-   concurrency for both: 1 (the latency the hop adds) and 64 (throughput at saturation).
-   Rounds are interleaved (direct, gateway, direct, gateway) so that noise hits both alike.
+1. Overhead (``--only overhead``). The same upstream called three ways, closed loop, the same
+   concurrency for each: 1 (the latency a hop adds) and 64 (throughput at saturation):
+   "direct"; "nginx", the floor: Debian's nginx (``apt-get install -y nginx`` when it is not
+   on PATH and this runs as root), started by the benchmark with a generated config
+   (``worker_processes 1``, access log off, ``proxy_pass`` to an ``upstream {}`` block with
+   ``keepalive``, HTTP/1.1 and ``Connection ""`` to the upstream, no temp files) on a free
+   port; and "gateway". Rounds are interleaved, the order reversed every other round (direct,
+   nginx, gateway, gateway, nginx, direct), so that noise hits all alike.
    (a) ``--engine simulated`` with zero service time and no batch window: pure serving
-   cost; (b) the real ``minilm``, max batch 32, window 5 ms. Reports req/s, p50, p99, added
-   p50/p99 (gateway - direct), the gateway's CPU per request and each process's CPU.
-   Targets: <= 1 ms added at p50, judged at concurrency 1 (at saturation the added latency
-   is the throughput lost, by Little's law), and >= 70% of direct throughput at
-   concurrency 64. The 2 cores are shared by the load generator, the gateway and the
-   worker: through the gateway, the gateway's CPU is taken from the worker.
+   cost; (b) guidellm's ``mock-server`` (``benchmarks/peers/guidellm_mock.py``, run by the
+   Python of a separate venv, ``--guidellm-python``): it serves no embeddings, so ``POST
+   /v1/chat/completions``, not streamed, one sentence, ``max_tokens`` 8, with ``--ttft-ms 0
+   --itl-ms 0``: it answers at once, and the gateway serves it as a ``task: generate``
+   model; (c) the real ``minilm``, max batch 32, window 5 ms. Reports req/s, p50, p99, added
+   p50/p99 and % of direct req/s for nginx and the gateway, the proxy's CPU per
+   request (nginx: master and worker together) and each process's CPU. Targets, for the
+   gateway against direct: <= 1 ms added at p50, judged at concurrency 1 (at saturation the
+   added latency is the throughput lost, by Little's law), and >= 70% of direct throughput
+   at concurrency 64; a line per upstream (not a verdict) sets the gateway's added p50 and
+   throughput beside nginx's. The 2 cores are shared by the load generator, the proxy and
+   the upstream: through a proxy, the proxy's CPU is taken from the upstream. Without nginx
+   or the guidellm venv, their rows say "not measured" with the reason and the run goes on.
 
-2. Priority under 2x overload, ``minilm``. First the capacity C: closed loop, concurrency
-   128, through the gateway. Then one open-loop Poisson schedule at 2*C for a fixed time
-   (seeded: the same arrival times and classes for every system), 20% high, 30% medium,
-   50% low, each request tagged ``X-Priority: high|medium|low``. Latency runs from the
-   scheduled arrival, so a late load generator counts against the system. After the last
-   arrival, answers are awaited for a bounded drain time; what is still open then is
-   cancelled and counted as unfinished. All systems batch up to 32 with a 5 ms window and
+2. Priority under 2x overload (``--only overload``), ``minilm``. First the capacity C: closed
+   loop, concurrency 128, through the gateway. Then one open-loop Poisson schedule at 2*C
+   for a fixed time (seeded: the same arrival times and classes for every system), 20% high,
+   30% medium, 50% low, each request tagged ``X-Priority: high|medium|low``. Latency runs
+   from the scheduled arrival, so a late load generator counts against the system. After
+   the last arrival, answers are awaited for a bounded drain time; what is still open then
+   is cancelled and counted as unfinished. All systems batch up to 32 with a 5 ms window and
    hold at most 1064 requests (tidegate: 64 at the worker, 1000 in the gateway queue):
    (i) tidegate, policy priority: queue ``max_size: 1000`` (the default), default holdback
        (medium refused above 90% full, low above 70%), ``timeout_s: {medium: 10, low: 5}``;
@@ -43,15 +56,23 @@ measure httpx, not the servers). Requests are ``POST /v1/embeddings`` of one sen
    p99 >= 5x better than both fifo and the peer, and total throughput within 10% of the
    best of them.
 
-Run (about 4 to 5 minutes; ``--quick``: a smoke run of about 2, whose 5 s of overload are too
-short for fifo's queue to fill, so its verdicts mean little):
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_gateway.py [--quick] [--skip-peer]
-        [--ray-python /tmp/rayvenv/bin/python] [--out results.json] [--verdict verdict.json]
-The peer needs a venv of its own (see benchmarks/peers/ray_serve_minilm.py); without it, or
-when it fails, the peer column is reported missing with the reason. Prints markdown tables,
-then PASS/MISS lines (``--verdict``: also as JSON rows, for ``benchmarks/summary.py``); always
-exits 0. Every process it starts is stopped at the end. The load client, the drivers and the
-process handling are ``benchmarks/loadgen.py``'s, as in every benchmark.
+Run (about 5 to 7 minutes, part 1 alone about 4; a busy machine adds up to 90 s of waiting
+for quiet). ``--quick`` is a smoke run of about 3 (part 1 alone about 1.5) whose 5 s of
+overload are too short for fifo's queue to fill, so that its verdicts mean little:
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/bench_gateway.py [--quick]
+        [--only overhead|overload] [--skip-peer] [--ray-python /tmp/rayvenv/bin/python]
+        [--guidellm-python /tmp/guidellm-venv/bin/python] [--out results.json]
+        [--verdict verdict.json]
+The two peers need venvs of their own. Ray Serve: see benchmarks/peers/ray_serve_minilm.py;
+without it, or when it fails, the peer column is reported missing with the reason.
+guidellm (install the CPU torch first, or pip pulls a CUDA build of several GB):
+    python3.11 -m venv /tmp/guidellm-venv
+    /tmp/guidellm-venv/bin/pip install torch==2.13.0
+    /tmp/guidellm-venv/bin/pip install guidellm
+Prints markdown tables, then PASS/MISS lines (``--verdict``: also as JSON rows, for
+``benchmarks/summary.py``); always exits 0. Every process it starts is stopped at the end.
+The load client, the drivers and the process handling are ``benchmarks/loadgen.py``'s, as in
+every benchmark.
 """
 
 from __future__ import annotations
@@ -59,11 +80,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import datetime as dt
 import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,7 +94,7 @@ import time
 import traceback
 from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,11 +102,21 @@ from typing import Any
 import httpx
 
 import loadgen as lg
-from loadgen import Child, cpu_s, fmt, ms, percentile, ratio, session_cpu_s, stop
+from loadgen import Child, fmt, ms, percentile, ratio, session_cpu_s, stop
 from summary import write_verdicts
 
-PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "ray_serve_minilm.py"
+PEERS = Path(__file__).resolve().parent / "peers"
+PEER_SCRIPT = PEERS / "ray_serve_minilm.py"
 DEFAULT_RAY_PYTHON = "/tmp/rayvenv/bin/python"
+MOCK_SCRIPT = PEERS / "guidellm_mock.py"
+DEFAULT_GUIDELLM_PYTHON = "/tmp/guidellm-venv/bin/python"
+GUIDELLM_VENV_HELP = (
+    "python3.11 -m venv /tmp/guidellm-venv && /tmp/guidellm-venv/bin/pip install "
+    "torch==2.13.0 && /tmp/guidellm-venv/bin/pip install guidellm"
+)
+MOCK_MODEL = "mock"
+MOCK_MAX_TOKENS = 8
+PARTS = ("overhead", "overload")
 
 
 MAX_BATCH = 32
@@ -104,6 +137,9 @@ CAPACITY_CONCURRENCY = 128
 MAX_OPEN_LOOP_REQUESTS = 40_000
 REQUEST_TIMEOUT_S = 60.0
 PEER_READY_TIMEOUT_S = 240.0
+MOCK_READY_TIMEOUT_S = 120.0
+NGINX_READY_TIMEOUT_S = 30.0
+APT_TIMEOUT_S = 600.0
 TARGET_ADDED_P50_MS = 1.0
 TARGET_OF_DIRECT = 0.70
 TARGET_HIGH_P99_X = 5.0
@@ -118,16 +154,30 @@ def bodies(model: str) -> list[bytes]:
     return lg.embedding_bodies(model, TEXTS)
 
 
+def chat_bodies(model: str) -> list[bytes]:
+    """One short non-streamed chat per sentence, for an upstream that serves no embeddings."""
+    return [
+        json.dumps(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": MOCK_MAX_TOKENS,
+            }
+        ).encode()
+        for text in TEXTS
+    ]
+
+
 # --------------------------------------------------------------------------- processes
 
 
-def gateway_config(model: str, upstream: str, policy: str) -> dict[str, Any]:
+def gateway_config(model: str, upstream: str, policy: str, task: str) -> dict[str, Any]:
     return {
         "gateway": {"host": "127.0.0.1", "policy": policy, "shutdown_timeout_s": 5},
         "models": [
             {
                 "name": model,
-                "task": "embeddings",
+                "task": task,
                 "engine": "openai",
                 "upstreams": [upstream],
                 "slots": SLOTS,
@@ -137,8 +187,10 @@ def gateway_config(model: str, upstream: str, policy: str) -> dict[str, Any]:
     }
 
 
-def start_gateway(name: str, logdir: Path, model: str, upstream: str, policy: str) -> Child:
-    return lg.start_serve(name, logdir, gateway_config(model, upstream, policy), model)
+def start_gateway(
+    name: str, logdir: Path, model: str, upstream: str, policy: str, task: str = "embeddings"
+) -> Child:
+    return lg.start_serve(name, logdir, gateway_config(model, upstream, policy, task), model)
 
 
 def torch_threads() -> int:
@@ -182,6 +234,128 @@ def start_peer(ray_python: str, logdir: Path, threads: int) -> Child:
     return child
 
 
+NGINX_CONF = """\
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log stderr warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/client_body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    upstream backend {{
+        server {upstream};
+        keepalive 128;
+        keepalive_requests 1000000;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        keepalive_requests 1000000;
+        client_body_buffer_size 64k;
+        location / {{
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_max_temp_file_size 0;
+        }}
+    }}
+}}
+"""
+
+
+@contextlib.contextmanager
+def stopped_on_failure(child: Child) -> Iterator[None]:
+    """Stops ``child`` at once if its start fails: the run goes on without it."""
+    try:
+        yield
+    except BaseException:
+        stop(child)
+        raise
+
+
+def find_nginx() -> str | None:
+    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
+
+
+def nginx_binary(logdir: Path) -> str:
+    """Debian's nginx: the one installed, else ``apt-get install -y nginx`` (as root only).
+    RuntimeError with the reason when there is none."""
+    if found := find_nginx():
+        return found
+    if os.geteuid() != 0:
+        raise RuntimeError("nginx is not installed and installing it needs root")
+    if not shutil.which("apt-get"):
+        raise RuntimeError("nginx is not installed and there is no apt-get")
+    print("  installing nginx: apt-get update; apt-get install -y nginx", flush=True)
+    log = logdir / "apt-get.log"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "nginx"]):
+        with log.open("ab") as out:
+            try:
+                done = subprocess.run(
+                    cmd,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    timeout=APT_TIMEOUT_S,
+                    check=False,
+                )
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{' '.join(cmd)} took over {APT_TIMEOUT_S:.0f} s") from None
+        if done.returncode:
+            tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
+            raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}: {tail}")
+    if found := find_nginx():
+        return found
+    raise RuntimeError("apt-get installed nginx, but no nginx binary was found")
+
+
+def start_nginx(binary: str, name: str, logdir: Path, upstream: Upstream) -> Child:
+    """nginx in front of ``upstream`` on a free port, its own config, pid and temp files in
+    a folder of the logs; ready once a request through it reaches the upstream."""
+    prefix = logdir / name
+    prefix.mkdir()
+    port = lg.free_port()
+    conf = prefix / "nginx.conf"
+    target = upstream.child.url.removeprefix("http://").rstrip("/")
+    conf.write_text(NGINX_CONF.format(prefix=prefix, upstream=target, port=port))
+    cmd = [binary, "-p", f"{prefix}/", "-c", str(conf), "-e", "stderr", "-g", "daemon off;"]
+    child = lg.spawn(name, cmd, logdir)
+    child.url = f"http://127.0.0.1:{port}"
+    with stopped_on_failure(child):
+        lg.wait_http_ready(child, upstream.ready_path, NGINX_READY_TIMEOUT_S, lambda body: True)
+    return child
+
+
+def start_mock(python: str, logdir: Path) -> Child:
+    """guidellm's mock server (benchmarks/peers/guidellm_mock.py) with zero latencies."""
+    cmd = [
+        python,
+        str(MOCK_SCRIPT),
+        "--port",
+        str(lg.free_port()),
+        "--model",
+        MOCK_MODEL,
+        "--output-tokens",
+        str(MOCK_MAX_TOKENS),
+        "--ttft-ms",
+        "0",
+        "--itl-ms",
+        "0",
+    ]
+    child = lg.spawn("guidellm-mock", cmd, logdir)
+    with stopped_on_failure(child):
+        child.url = lg.first_line(child, MOCK_READY_TIMEOUT_S)
+        if not child.url.startswith("http://127.0.0.1:"):
+            raise RuntimeError(f"the mock server printed {child.url!r} instead of its address")
+        lg.wait_http_ready(child, "/health", MOCK_READY_TIMEOUT_S, lambda body: True)
+    return child
+
+
 def other_benchmarks() -> list[str]:
     """Other benchmark processes running now (they would skew the figures)."""
     found = []
@@ -217,9 +391,11 @@ async def closed_loop(
     concurrency: int,
     warmup_s: float,
     measure_s: float,
-    pids: dict[str, int],
+    meters: dict[str, Callable[[], float]],
     client_kind: str,
+    route: str = "/v1/embeddings",
 ) -> Closed:
+    """``meters``: CPU seconds of each process to report, read at the window's ends."""
     QUIET()
     result = Closed(window_s=measure_s)
     begin = time.perf_counter() + warmup_s
@@ -227,7 +403,7 @@ async def closed_loop(
     marks: dict[str, list[float]] = {}
 
     def snapshot() -> list[float]:
-        return [*(cpu_s(pid) for pid in pids.values()), time.process_time()]
+        return [*(meter() for meter in meters.values()), time.process_time()]
 
     async def window() -> None:
         await asyncio.sleep(max(0.0, begin - time.perf_counter()))
@@ -239,7 +415,7 @@ async def closed_loop(
 
     records = await lg.closed_loop(
         url,
-        "/v1/embeddings",
+        route,
         payloads,
         concurrency,
         window(),
@@ -257,7 +433,7 @@ async def closed_loop(
                     result.error_samples.append(record.error)
     if result.error_samples:
         print(f"    {url}: failed requests, e.g. {result.error_samples}", file=sys.stderr)
-    names = [*pids, "loadgen"]
+    names = [*meters, "loadgen"]
     result.cpu = {
         name: b - a for name, a, b in zip(names, marks["begin"], marks["end"], strict=True)
     }
@@ -268,18 +444,19 @@ async def closed_loop(
 class OverheadRow:
     engine: str
     concurrency: int
-    path: str  # "direct" or "gateway"
+    path: str  # "direct", "nginx" or "gateway"
     req_per_s: float
     p50_ms: float
     p99_ms: float
     completed: int
     errors: int
-    cpu_cores: dict[str, float]  # CPU seconds per second of window, per process
-    other_cores: float  # CPU of processes not ours (noise), mean over its rounds
+    cpu_cores: dict[str, float]  # CPU seconds per second of window: loadgen, proxy, upstream
+    other_cores: float  # CPU of processes not ours (noise), the noisiest of its rounds
     added_p50_ms: float = math.nan
     added_p99_ms: float = math.nan
     of_direct: float = math.nan
-    gateway_cpu_us_per_req: float = math.nan
+    proxy_cpu_us_per_req: float = math.nan
+    not_measured: str = ""  # why, when it was not
 
 
 def merge(engine: str, concurrency: int, path: str, runs: list[Closed]) -> OverheadRow:
@@ -302,50 +479,94 @@ def merge(engine: str, concurrency: int, path: str, runs: list[Closed]) -> Overh
         {name: seconds / window for name, seconds in cpu.items()},
         max(run.other_cores for run in runs),
     )
-    if "gateway" in cpu and completed:
-        row.gateway_cpu_us_per_req = cpu["gateway"] / completed * 1e6
+    if "proxy" in cpu and completed:
+        row.proxy_cpu_us_per_req = cpu["proxy"] / completed * 1e6
     return row
 
 
-def overhead(
+def not_measured(
     engine: str,
-    worker: Child,
+    paths: tuple[str, ...],
+    reason: str,
+    concurrencies: tuple[int, ...] = OVERHEAD_CONCURRENCY,
+) -> list[OverheadRow]:
+    """Rows that say why a path (or a whole upstream) was not measured."""
+    nan = math.nan
+    return [
+        OverheadRow(engine, c, path, nan, nan, nan, 0, 0, {}, nan, not_measured=reason)
+        for c in concurrencies
+        for path in paths
+    ]
+
+
+@dataclass
+class Upstream:
+    """What part 1 calls: a server, the route and bodies it takes, the path that says ready."""
+
+    engine: str  # the rows' label
+    child: Child
+    model: str
+    route: str
+    payloads: list[bytes]
+    task: str = "embeddings"
+    ready_path: str = "/readyz"
+
+
+def overhead(
+    upstream: Upstream,
     gateway: Child,
-    model: str,
+    floor: Child | None,
+    floor_missing: str,
     args: argparse.Namespace,
 ) -> list[OverheadRow]:
-    payloads = bodies(model)
+    """Direct, nginx (when ``floor``) and the gateway, interleaved, at each concurrency."""
+    meters = {"upstream": upstream.child.cpu_s}
+    paths: dict[str, tuple[str, dict[str, Callable[[], float]]]] = {
+        "direct": (upstream.child.url, meters)
+    }
+    if floor is not None:
+        paths["nginx"] = (floor.url, {"proxy": lambda: session_cpu_s(floor.pid), **meters})
+    paths["gateway"] = (gateway.url, {"proxy": gateway.cpu_s, **meters})
     rows = []
     for concurrency in OVERHEAD_CONCURRENCY:
-        runs: dict[str, list[Closed]] = {"direct": [], "gateway": []}
-        for _ in range(args.rounds):
-            for path, target in (("direct", worker), ("gateway", gateway)):
-                pids = {"worker": worker.pid} | (
-                    {"gateway": gateway.pid} if target is gateway else {}
-                )
+        runs: dict[str, list[Closed]] = {path: [] for path in paths}
+        for k in range(args.rounds):
+            for path in list(paths)[:: 1 if k % 2 == 0 else -1]:
+                url, path_meters = paths[path]
                 runs[path].append(
                     asyncio.run(
                         closed_loop(
-                            target.url,
-                            payloads,
+                            url,
+                            upstream.payloads,
                             concurrency,
                             args.warmup_s,
                             args.measure_s,
-                            pids,
+                            path_meters,
                             args.client,
+                            upstream.route,
                         )
                     )
                 )
-        direct = merge(engine, concurrency, "direct", runs["direct"])
-        via = merge(engine, concurrency, "gateway", runs["gateway"])
-        via.added_p50_ms = via.p50_ms - direct.p50_ms
-        via.added_p99_ms = via.p99_ms - direct.p99_ms
-        via.of_direct = ratio(via.req_per_s, direct.req_per_s)
-        rows += [direct, via]
+        direct = merge(upstream.engine, concurrency, "direct", runs["direct"])
+        mine = [direct]
+        for path in list(paths)[1:]:
+            row = merge(upstream.engine, concurrency, path, runs[path])
+            row.added_p50_ms = row.p50_ms - direct.p50_ms
+            row.added_p99_ms = row.p99_ms - direct.p99_ms
+            row.of_direct = ratio(row.req_per_s, direct.req_per_s)
+            mine.append(row)
+        if floor is None:
+            mine[1:1] = not_measured(upstream.engine, ("nginx",), floor_missing, (concurrency,))
+        rows += mine
         print(
-            f"  {engine} c={concurrency}: direct {direct.req_per_s:,.0f} req/s p50 "
-            f"{ms(direct.p50_ms)} ms; gateway {via.req_per_s:,.0f} req/s p50 {ms(via.p50_ms)} "
-            f"ms (+{ms(via.added_p50_ms)})",
+            f"  {upstream.engine} c={concurrency}: "
+            + "; ".join(
+                f"{r.path} not measured"
+                if r.not_measured
+                else f"{r.path} {r.req_per_s:,.0f} req/s p50 {ms(r.p50_ms)} ms"
+                + (f" (+{ms(r.added_p50_ms)})" if r.path != "direct" else "")
+                for r in mine
+            ),
             flush=True,
         )
     return rows
@@ -519,24 +740,30 @@ def probe_vector(url: str) -> list[float]:
 def overhead_table(rows: list[OverheadRow]) -> str:
     lines = [
         "| engine | concurrency | path | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
-        "| of direct req/s | gateway CPU µs/req | CPU cores: loadgen / gateway / worker / other |",
+        "| of direct req/s | proxy CPU µs/req | CPU cores: loadgen / proxy / upstream / other |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        if r.not_measured:
+            lines.append(
+                f"| {r.engine} | {r.concurrency} | {r.path} | not measured ({r.not_measured}) "
+                "| | | | | | | |"
+            )
+            continue
         cores = (
             " / ".join(
                 fmt(r.cpu_cores[name], 2) if name in r.cpu_cores else "-"
-                for name in ("loadgen", "gateway", "worker")
+                for name in ("loadgen", "proxy", "upstream")
             )
             + f" / {fmt(r.other_cores, 2)}"
         )
-        gw = r.path == "gateway"
+        via = r.path != "direct"
         lines.append(
             f"| {r.engine} | {r.concurrency} | {r.path} | {fmt(r.req_per_s, 0)} | {ms(r.p50_ms)} "
-            f"| {ms(r.p99_ms)} | {ms(r.added_p50_ms) if gw else ''} "
-            f"| {ms(r.added_p99_ms) if gw else ''} "
-            f"| {fmt(r.of_direct * 100, 0) + '%' if gw else ''} "
-            f"| {fmt(r.gateway_cpu_us_per_req, 0) if gw else ''} | {cores} |"
+            f"| {ms(r.p99_ms)} | {ms(r.added_p50_ms) if via else ''} "
+            f"| {ms(r.added_p99_ms) if via else ''} "
+            f"| {fmt(r.of_direct * 100, 0) + '%' if via else ''} "
+            f"| {fmt(r.proxy_cpu_us_per_req, 0) if via else ''} | {cores} |"
         )
     return "\n".join(lines)
 
@@ -591,10 +818,13 @@ def verdict(ok: bool) -> str:
 
 
 def overhead_verdicts(rows: list[OverheadRow]) -> list[str]:
+    """The gateway against direct, per upstream; MISS "not measured" for one that was not."""
     lines = []
-    engines = dict.fromkeys(r.engine for r in rows)
-    for engine in engines:
+    for engine in dict.fromkeys(r.engine for r in rows):
         mine = [r for r in rows if r.engine == engine and r.path == "gateway"]
+        if any(r.not_measured for r in mine):
+            lines.append(f"MISS {engine}: not measured ({mine[0].not_measured})")
+            continue
         low = min(mine, key=lambda r: r.concurrency)
         high = max(mine, key=lambda r: r.concurrency)
         lines.append(
@@ -606,6 +836,27 @@ def overhead_verdicts(rows: list[OverheadRow]) -> list[str]:
             f"{verdict(high.of_direct >= TARGET_OF_DIRECT)} {engine}: gateway throughput at "
             f"concurrency {high.concurrency} = {fmt(high.of_direct * 100, 0)}% of direct "
             f"(target >= {TARGET_OF_DIRECT:.0%})"
+        )
+    return lines
+
+
+def floor_lines(rows: list[OverheadRow]) -> list[str]:
+    """Per upstream, the gateway beside nginx (information, not verdicts)."""
+    lines = []
+    for engine in dict.fromkeys(r.engine for r in rows):
+        by = {(r.path, r.concurrency): r for r in rows if r.engine == engine}
+        low, high = min(OVERHEAD_CONCURRENCY), max(OVERHEAD_CONCURRENCY)
+        gateway, nginx = by[("gateway", low)], by[("nginx", low)]
+        if gateway.not_measured or nginx.not_measured:
+            why = gateway.not_measured or nginx.not_measured
+            lines.append(f"{engine}: gateway vs nginx not measured ({why})")
+            continue
+        lines.append(
+            f"{engine}: added p50 at concurrency {low}: gateway {ms(gateway.added_p50_ms)} ms, "
+            f"nginx {ms(nginx.added_p50_ms)} ms (the gateway adds "
+            f"{ms(gateway.added_p50_ms - nginx.added_p50_ms)} ms more); throughput at "
+            f"concurrency {high}: gateway {fmt(by[('gateway', high)].of_direct * 100, 0)}%, "
+            f"nginx {fmt(by[('nginx', high)].of_direct * 100, 0)}% of direct"
         )
     return lines
 
@@ -649,7 +900,45 @@ def write_profile(path: Path) -> Path:
     return path
 
 
-def part_overhead_sim(logdir: Path, args: argparse.Namespace) -> list[OverheadRow]:
+@dataclass
+class Floor:
+    """nginx for part 1: its binary, or why there is none."""
+
+    binary: str | None
+    missing: str = ""
+
+    @classmethod
+    def find(cls, logdir: Path) -> Floor:
+        try:
+            return cls(nginx_binary(logdir))
+        except Exception as exc:
+            print(f"  nginx rows not measured: {exc}", flush=True)
+            return cls(None, str(exc))
+
+
+def measure_upstream(
+    name: str, upstream: Upstream, logdir: Path, floor: Floor, args: argparse.Namespace
+) -> list[OverheadRow]:
+    """Part 1 for one upstream: a gateway and nginx in front of it, measured, stopped."""
+    gateway = start_gateway(
+        f"{name}-gateway", logdir, upstream.model, upstream.child.url, "priority", upstream.task
+    )
+    with lg.running(gateway):
+        nginx, missing = None, floor.missing
+        if floor.binary is not None:
+            try:
+                nginx = start_nginx(floor.binary, f"{name}-nginx", logdir, upstream)
+            except Exception as exc:
+                missing = f"nginx did not start: {exc}"
+                print(f"  {missing}", flush=True)
+        try:
+            return overhead(upstream, gateway, nginx, missing, args)
+        finally:
+            if nginx is not None:
+                stop(nginx)
+
+
+def part_overhead_sim(logdir: Path, floor: Floor, args: argparse.Namespace) -> list[OverheadRow]:
     profile = write_profile(logdir / "zero.json")
     worker = lg.start_worker(
         "sim-worker",
@@ -665,28 +954,128 @@ def part_overhead_sim(logdir: Path, args: argparse.Namespace) -> list[OverheadRo
         "--batch-window-ms",
         "0",
     )
+    with lg.running(worker):
+        upstream = Upstream("simulated (0 ms)", worker, "sim", "/v1/embeddings", bodies("sim"))
+        return measure_upstream("sim", upstream, logdir, floor, args)
+
+
+def part_overhead_mock(logdir: Path, floor: Floor, args: argparse.Namespace) -> list[OverheadRow]:
+    """guidellm's mock server as the upstream; rows "not measured" when it cannot be had."""
+    engine = "guidellm mock-server"
+    python = args.guidellm_python
+    if not python or not Path(python).exists():
+        reason = (
+            f"no guidellm Python at {python or DEFAULT_GUIDELLM_PYTHON!r}, "
+            "see benchmarks/peers/guidellm_mock.py"
+        )
+        print(f"  not measured: {reason}; create the venv with:\n    {GUIDELLM_VENV_HELP}")
+        return not_measured(engine, ("direct", "nginx", "gateway"), reason)
     try:
-        gateway = start_gateway("sim-gateway", logdir, "sim", worker.url, "priority")
-        try:
-            return overhead("simulated (0 ms)", worker, gateway, "sim", args)
-        finally:
-            stop(gateway)
+        mock = start_mock(python, logdir)
+        with lg.running(mock):
+            upstream = Upstream(
+                engine,
+                mock,
+                MOCK_MODEL,
+                "/v1/chat/completions",
+                chat_bodies(MOCK_MODEL),
+                task="generate",
+                ready_path="/health",
+            )
+            return measure_upstream("mock", upstream, logdir, floor, args)
+    except Exception as exc:
+        reason = f"the mock server failed: {type(exc).__name__}: {exc}"
+        print(f"  not measured: {reason}", flush=True)
+        return not_measured(engine, ("direct", "nginx", "gateway"), reason)
+
+
+def part_overload(
+    worker: Child, logdir: Path, args: argparse.Namespace
+) -> tuple[list[Capacity], list[OverloadRun], list[tuple[float, str]]]:
+    """Capacity through the gateway, then the open loop at 2x it: priority, then fifo."""
+
+    def meters(gateway: Child) -> dict[str, Callable[[], float]]:
+        return {"gateway": gateway.cpu_s, "worker": worker.cpu_s}
+
+    gateway = start_gateway("gateway-priority", logdir, "minilm", worker.url, "priority")
+    with lg.running(gateway):
+        caps = [capacity("tidegate (gateway + worker)", gateway.url, args)]
+        rate = 2 * caps[0].req_per_s
+        arrivals = schedule(rate, args.duration_s, args.seed)
+        print(f"  open loop: {len(arrivals):,} arrivals at {rate:,.0f}/s", flush=True)
+        runs = [overload("tidegate priority", gateway.url, arrivals, args, meters(gateway))]
+    gateway = start_gateway("gateway-fifo", logdir, "minilm", worker.url, "fifo")
+    with lg.running(gateway):
+        runs.append(overload("tidegate fifo", gateway.url, arrivals, args, meters(gateway)))
+    return caps, runs, arrivals
+
+
+def part_peer(
+    args: argparse.Namespace,
+    logdir: Path,
+    reference: list[float],
+    arrivals: list[tuple[float, str]],
+    caps: list[Capacity],
+    runs: list[OverloadRun],
+    results: dict[str, Any],
+) -> str | None:
+    """Ray Serve under the same schedule; why it is missing, when it is."""
+    if args.skip_peer:
+        return "--skip-peer"
+    if not args.ray_python or not Path(args.ray_python).exists():
+        return (
+            f"no Ray Python at {args.ray_python or DEFAULT_RAY_PYTHON!r} "
+            "(see benchmarks/peers/ray_serve_minilm.py for the venv)"
+        )
+    print("2. peer: Ray Serve", flush=True)
+    try:
+        peer = start_peer(args.ray_python, logdir, torch_threads())
+    except Exception as exc:
+        return f"the peer did not start: {exc}"
+    try:
+        vector = probe_vector(peer.url)
+        diff = max(abs(a - b) for a, b in zip(vector, reference, strict=True))
+        results["peer_vs_tidegate_max_abs_diff"] = diff
+        print(f"  peer vector vs tidegate worker: max |diff| = {diff:.2e}", flush=True)
+        caps.append(capacity("ray serve", peer.url, args))
+        ray_cpu = {"ray (all its processes)": lambda: session_cpu_s(peer.pid)}
+        runs.append(overload("ray serve", peer.url, arrivals, args, ray_cpu))
+    except Exception as exc:
+        return f"the peer failed during the run: {type(exc).__name__}: {exc}"
     finally:
-        stop(worker)
+        stop(peer)
+    return None
 
 
 def run(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
-    results: dict[str, Any] = {"notes": []}
+    parts = args.only or PARTS
+    results: dict[str, Any] = {"notes": [], "parts": list(parts)}
     notes: list[str] = results["notes"]
     busy = other_benchmarks()
     if busy:
         notes.append(f"other benchmarks were running at the start: {'; '.join(busy)}")
         print(f"note: {notes[-1]}", flush=True)
 
-    print("1a. overhead, simulated engine with zero service time", flush=True)
-    rows = part_overhead_sim(logdir, args)
+    rows: list[OverheadRow] = []
+    caps: list[Capacity] = []
+    runs: list[OverloadRun] = []
+    arrivals: list[tuple[float, str]] = []
+    reference: list[float] = []
+    floor = Floor(None, "part 1 not run")
+    if "overhead" in parts:
+        floor = Floor.find(logdir)
+        print("1a. overhead, simulated engine with zero service time", flush=True)
+        rows += part_overhead_sim(logdir, floor, args)
+        print("1b. overhead, guidellm mock-server (chat completions, zero latency)", flush=True)
+        rows += part_overhead_mock(logdir, floor, args)
 
-    print("1b. overhead, minilm; 2. priority under overload", flush=True)
+    print(
+        " ".join(
+            {"overhead": "1c. overhead, minilm;", "overload": "2. priority under overload"}[p]
+            for p in parts
+        ),
+        flush=True,
+    )
     worker = lg.start_worker(
         "minilm-worker",
         logdir,
@@ -697,86 +1086,58 @@ def run(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
         "--batch-window-ms",
         str(WINDOW_MS),
     )
-    caps: list[Capacity] = []
-    runs: list[OverloadRun] = []
-
-    def meters(gateway: Child) -> dict[str, Callable[[], float]]:
-        return {"gateway": lambda: cpu_s(gateway.pid), "worker": lambda: cpu_s(worker.pid)}
-
-    try:
-        reference = probe_vector(worker.url)
-        gateway = start_gateway("gateway-priority", logdir, "minilm", worker.url, "priority")
-        try:
-            rows += overhead("minilm", worker, gateway, "minilm", args)
-            caps.append(capacity("tidegate (gateway + worker)", gateway.url, args))
-            rate = 2 * caps[0].req_per_s
-            arrivals = schedule(rate, args.duration_s, args.seed)
-            print(f"  open loop: {len(arrivals):,} arrivals at {rate:,.0f}/s", flush=True)
-            runs.append(overload("tidegate priority", gateway.url, arrivals, args, meters(gateway)))
-        finally:
-            stop(gateway)
-        gateway = start_gateway("gateway-fifo", logdir, "minilm", worker.url, "fifo")
-        try:
-            runs.append(overload("tidegate fifo", gateway.url, arrivals, args, meters(gateway)))
-        finally:
-            stop(gateway)
-    finally:
-        stop(worker)
+    with lg.running(worker):
+        if "overhead" in parts:
+            upstream = Upstream("minilm", worker, "minilm", "/v1/embeddings", bodies("minilm"))
+            rows += measure_upstream("minilm", upstream, logdir, floor, args)
+        if "overload" in parts:
+            reference = probe_vector(worker.url)
+            caps, runs, arrivals = part_overload(worker, logdir, args)
 
     peer_missing: str | None = None
-    if args.skip_peer:
-        peer_missing = "--skip-peer"
-    elif not args.ray_python or not Path(args.ray_python).exists():
-        peer_missing = (
-            f"no Ray Python at {args.ray_python or DEFAULT_RAY_PYTHON!r} "
-            "(see benchmarks/peers/ray_serve_minilm.py for the venv)"
-        )
-    else:
-        print("2. peer: Ray Serve", flush=True)
-        try:
-            peer = start_peer(args.ray_python, logdir, torch_threads())
-        except Exception as exc:
-            peer_missing = f"the peer did not start: {exc}"
-        else:
-            try:
-                vector = probe_vector(peer.url)
-                diff = max(abs(a - b) for a, b in zip(vector, reference, strict=True))
-                results["peer_vs_tidegate_max_abs_diff"] = diff
-                print(f"  peer vector vs tidegate worker: max |diff| = {diff:.2e}", flush=True)
-                caps.append(capacity("ray serve", peer.url, args))
-                ray_cpu = {"ray (all its processes)": lambda: session_cpu_s(peer.pid)}
-                runs.append(overload("ray serve", peer.url, arrivals, args, ray_cpu))
-            except Exception as exc:
-                peer_missing = f"the peer failed during the run: {type(exc).__name__}: {exc}"
-            finally:
-                stop(peer)
-    if peer_missing:
-        print(f"peer column missing: {peer_missing}", flush=True)
+    if "overload" in parts:
+        peer_missing = part_peer(args, logdir, reference, arrivals, caps, runs, results)
+        if peer_missing:
+            print(f"peer column missing: {peer_missing}", flush=True)
     results.update(
         overhead=[asdict(r) for r in rows],
         capacity=[asdict(c) for c in caps],
         overload=[asdict(r) for r in runs],
         peer_missing=peer_missing,
-        arrival_rate_per_s=2 * caps[0].req_per_s,
+        arrival_rate_per_s=2 * caps[0].req_per_s if caps else None,
         arrivals=len(arrivals),
+        floor=floor_lines(rows),
     )
     results["tables"] = {
-        "overhead": overhead_table(rows),
-        "capacity": capacity_table(caps),
-        "overload": overload_tables(runs),
+        "overhead": overhead_table(rows) if rows else "",
+        "capacity": capacity_table(caps) if caps else "",
+        "overload": overload_tables(runs) if runs else "",
     }
-    results["verdicts"] = overhead_verdicts(rows) + priority_verdicts(runs, peer_missing)
+    results["verdicts"] = overhead_verdicts(rows) + (
+        priority_verdicts(runs, peer_missing) if "overload" in parts else []
+    )
     return results
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short smoke run")
+    parser.add_argument(
+        "--only",
+        choices=PARTS,
+        action="append",
+        help="run only this part (1: overhead, 2: overload); may be given twice",
+    )
     parser.add_argument("--skip-peer", action="store_true", help="do not run Ray Serve")
     parser.add_argument(
         "--ray-python",
         default=DEFAULT_RAY_PYTHON if Path(DEFAULT_RAY_PYTHON).exists() else None,
         help=f"Python of the venv with ray[serve] (default {DEFAULT_RAY_PYTHON} if present)",
+    )
+    parser.add_argument(
+        "--guidellm-python",
+        default=DEFAULT_GUIDELLM_PYTHON if Path(DEFAULT_GUIDELLM_PYTHON).exists() else None,
+        help=f"Python of the venv with guidellm (default {DEFAULT_GUIDELLM_PYTHON} if present)",
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--verdict", type=Path, help="write the PASS/MISS rows as JSON here")
@@ -788,6 +1149,8 @@ def parse_args() -> argparse.Namespace:
         help=lg.CLIENT_HELP,
     )
     args = parser.parse_args()
+    if args.only:
+        args.only = tuple(p for p in PARTS if p in args.only)
     args.rounds = 1 if args.quick else 2
     args.warmup_s = 0.5 if args.quick else 1.0
     args.measure_s = 1.5 if args.quick else 4.0
@@ -803,7 +1166,7 @@ def main() -> int:
     print(
         f"bench_gateway: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M UTC}, {os.cpu_count()} CPUs, "
         f"{lg.cpu_model()}, Python {platform.python_version()}, "
-        f"{'quick' if args.quick else 'full'} run",
+        f"{'quick' if args.quick else 'full'} run, parts: {', '.join(args.only or PARTS)}",
         flush=True,
     )
     try:
@@ -814,14 +1177,21 @@ def main() -> int:
         write_verdicts(args.verdict, "bench_gateway", [], [traceback.format_exc()])
         return 0
     results["elapsed_s"] = time.monotonic() - started
+    tables = results["tables"]
     print()
-    print("### Overhead: the same worker, direct and through the gateway (closed loop)\n")
-    print(results["tables"]["overhead"])
-    print("\n### Capacity C (closed loop, single-input requests)\n")
-    print(results["tables"]["capacity"])
-    print(f"\n### Open loop at 2 x C = {results['arrival_rate_per_s']:,.0f} req/s\n")
-    print(results["tables"]["overload"])
-    print()
+    if tables["overhead"]:
+        print("### Overhead: the same upstream direct, through nginx and through the gateway\n")
+        print(tables["overhead"])
+        print()
+        for line in results["floor"]:
+            print(f"vs nginx, {line}")
+        print()
+    if tables["capacity"]:
+        print("### Capacity C (closed loop, single-input requests)\n")
+        print(tables["capacity"])
+        print(f"\n### Open loop at 2 x C = {results['arrival_rate_per_s']:,.0f} req/s\n")
+        print(tables["overload"])
+        print()
     if results["peer_missing"]:
         print(f"peer column missing: {results['peer_missing']}")
     if "peer_vs_tidegate_max_abs_diff" in results:
