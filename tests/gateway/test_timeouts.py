@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.gateway.harness import flat_profile
-from tests.procs import DEADLINE_S, TIDEGATE, Proc, child_env, gateway_process
+from tests.procs import DEADLINE_S, TIDEGATE, Proc, child_env, gateway_process, wait_for
 from tests.rawhttp import connect, error_of, read_until_closed
 
 HEADER_TIMEOUT_S = 1.0
@@ -124,12 +124,20 @@ def test_refusals_are_counted_and_the_gateway_keeps_serving(gateway: Proc) -> No
         assert error_of(read_until_closed(sock))[0] == 413
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=DEADLINE_S).text
     assert 'tidegate_requests_total{model="-",outcome="invalid",priority="none"}' in metrics
-    ok = httpx.post(
-        f"{gateway.url}/v1/embeddings",
-        json={"model": "sim", "input": "still here"},
-        timeout=DEADLINE_S,
-    )
-    assert ok.status_code == 200, ok.text
+
+    def post() -> httpx.Response:
+        return httpx.post(
+            f"{gateway.url}/v1/embeddings",
+            json={"model": "sim", "input": "still here"},
+            timeout=DEADLINE_S,
+        )
+
+    # This module's header deadline is 1 s: a client thread that a loaded machine leaves
+    # unscheduled between its connect and its send is rightly cut off (seen at load 7 on
+    # 2 cores). Such a 408 says nothing of the gateway; any other answer must be a 200.
+    answers: list[httpx.Response] = []
+    wait_for(lambda: answers.append(post()) or answers[-1].status_code != 408)
+    assert answers[-1].status_code == 200, answers[-1].text
 
 
 def test_a_busy_port_is_one_line_with_the_fix(gateway: Proc, tmp_path: Path) -> None:

@@ -142,7 +142,7 @@ def ejections(gateway: Proc, replica: str) -> float:
     return float(lines[0].removeprefix(prefix)) if lines else 0.0
 
 
-EJECTION_S = 6.0  # long enough for a handful of requests on a busy machine
+EJECTION_S = 12.0  # long enough for a handful of requests on a busy machine (6 s was not at load 7)
 
 
 def test_upstream_failing_everything_is_ejected_then_returns_after_the_back_off(

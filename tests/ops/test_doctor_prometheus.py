@@ -4,6 +4,7 @@ gateway directly, its workers through the gateway's http_sd endpoint."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,21 @@ def _value(url: str, expr: str) -> float:
     return sum(float(series["value"][1]) for series in result)
 
 
+OVERLOAD_RULES = {"high_priority_shed", "rejection_storm", "batches_too_small", "autoscale_stuck"}
+
+
+def _diagnosed(readings: list[subprocess.CompletedProcess[str]], prom: str, config: Path) -> bool:
+    """Doctor once more over the last hour; True when it found every overload symptom."""
+    result = tidegate(
+        "doctor", "--prometheus", prom, "--range", "1h", "--config", str(config),
+        "--p99-slo", "0.3", "--json",
+    )  # fmt: skip
+    readings.append(result)
+    if result.returncode != 2:
+        return False
+    return {f["rule"] for f in json.loads(result.stdout)["findings"]} >= OVERLOAD_RULES
+
+
 def test_overload_read_back_from_prometheus(tmp_path: Path) -> None:
     profile = flat_profile(tmp_path / "profile.json", latency_ms=200)
     config = write_config(tmp_path, [one_slot_model(profile)])
@@ -61,23 +77,16 @@ def test_overload_read_back_from_prometheus(tmp_path: Path) -> None:
             wait_for(
                 lambda: _value(prom, 'sum(tidegate_requests_total{outcome="completed"})') > seen
             )
-            result = tidegate(
-                "doctor",
-                "--prometheus",
-                prom,
-                "--range",
-                "1h",
-                "--config",
-                str(config),
-                "--p99-slo",
-                "0.3",
-                "--json",
-            )
+            # Read until every symptom is seen: on a loaded machine one reading can fall on
+            # a scrape that saw the queue empty for a moment (autoscale_stuck needs a backlog).
+            readings: list[subprocess.CompletedProcess[str]] = []
+            wait_for(lambda: _diagnosed(readings, prom, config), timeout_s=3 * DEADLINE_S)
+    result = readings[-1]
     assert result.returncode == 2, result.stdout + result.stderr
     report = json.loads(result.stdout)
     rules = [f["rule"] for f in report["findings"]]
     assert rules[0] == "high_priority_shed"
-    assert {"rejection_storm", "batches_too_small", "autoscale_stuck"} <= set(rules), rules
+    assert set(rules) >= OVERLOAD_RULES, rules
     by_rule = {f["rule"]: f for f in report["findings"]}
     assert "-    max_size: 4" in by_rule["high_priority_shed"]["config_diff"]
     assert "+    max_batch_size: 2" in by_rule["batches_too_small"]["config_diff"]

@@ -182,6 +182,13 @@ KNOWN_GENERATE = [
 ]
 
 
+def within_load(measured: float, known: float) -> bool:
+    """10% either side of what the simulated worker was told; a loaded machine adds time
+    (121 ms measured for 100 under two CPU hogs and the suite), never takes it away, so
+    above it may reach 35%."""
+    return known * 0.90 <= measured <= known * 1.35
+
+
 def test_round_trip_of_a_generation_profile(tmp_path: Path) -> None:
     known = write_json(
         tmp_path / "known.json",
@@ -205,8 +212,8 @@ def test_round_trip_of_a_generation_profile(tmp_path: Path) -> None:
     assert profile.itl_ms is not None
     for row in KNOWN_GENERATE:
         c = row["concurrency"]
-        assert profile.ttft_ms(c) == pytest.approx(row["ttft_ms"], rel=0.10), f"TTFT at {c}"
-        assert profile.itl_ms(c) == pytest.approx(row["itl_ms"], rel=0.10), f"ITL at {c}"
+        assert within_load(profile.ttft_ms(c), row["ttft_ms"]), f"TTFT at {c}"
+        assert within_load(profile.itl_ms(c), row["itl_ms"]), f"ITL at {c}"
     assert profile.knee is not None
     assert profile.knee.concurrency == 2  # 4 in flight breaks the TTFT target (about 200 ms)
     assert all(p.mean_output_tokens == 6 for p in profile.points)

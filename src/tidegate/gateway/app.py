@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
+from starlette.types import Receive, Scope, Send
 
 from tidegate import wire
 from tidegate.asgi import install_error_handlers
@@ -22,12 +23,24 @@ from tidegate.config import TidegateConfig
 from tidegate.gateway.admin import add_admin_routes
 from tidegate.gateway.auth import authenticate, authorize_metrics
 from tidegate.gateway.dashboard import add_dashboard_routes
-from tidegate.gateway.forward import TASK_OF_PATH, proxy_request
+from tidegate.gateway.forward import TASK_OF_PATH, proxy_request, serve_proxy
 from tidegate.gateway.observe import add_observe_routes
 from tidegate.gateway.replicas import Replica
 from tidegate.gateway.state import Gateway
 
-__all__ = ["Gateway", "create_gateway_app"]
+__all__ = ["Gateway", "GatewayApp", "create_gateway_app"]
+
+
+class GatewayApp(FastAPI):
+    """FastAPI for every route but the proxy's: ``POST`` to an OpenAI endpoint goes straight
+    to the proxy loop (``forward.serve_proxy``), the one path where the framework's routing
+    and middleware would cost as much as the scheduling itself."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in TASK_OF_PATH:
+            await serve_proxy(self.state.gateway, scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
 
 
 def create_gateway_app(gateway: Gateway) -> FastAPI:
@@ -43,7 +56,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
         finally:
             await gateway.stop()
 
-    app = FastAPI(title="tidegate gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = GatewayApp(title="tidegate gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gateway
     install_error_handlers(app)
     config = gateway.config
@@ -86,7 +99,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
     add_dashboard_routes(app, gateway)  # GET /dashboard: the live page (admin role)
     add_observe_routes(app, gateway)  # Prometheus service discovery, tidegate_replica_info
 
-    async def handle(request: Request) -> Response:
+    async def handle(request: Request) -> Response:  # for the document: GatewayApp serves them
         return await proxy_request(gateway, request)
 
     # The body is read and validated by the proxy loop itself (once, cheaply), not by
