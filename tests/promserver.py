@@ -9,11 +9,12 @@ import socket
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.procs import stop, wait_for
+from tests.procs import DEADLINE_S, stop, wait_for
 
 PROMETHEUS_READY_S = 120.0  # a TSDB and a web server on a loaded machine
 
@@ -81,3 +82,23 @@ def prometheus(
     finally:
         stop(process)
         log.close()
+
+
+def api(url: str, path: str, **params: str) -> Any:
+    """``GET /api/v1/<path>`` of the Prometheus at ``url``: its ``data``, asserted a success."""
+    answer = httpx.get(f"{url}/api/v1/{path}", params=params, timeout=DEADLINE_S)
+    answer.raise_for_status()
+    body = answer.json()
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def query(url: str, expr: str) -> list[dict[str, Any]]:
+    """The series of an instant query."""
+    result: list[dict[str, Any]] = api(url, "query", query=expr)["result"]
+    return result
+
+
+def query_sum(url: str, expr: str) -> float:
+    """The sum of an instant query's values (0 when it has no series)."""
+    return sum(float(series["value"][1]) for series in query(url, expr))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -17,7 +16,7 @@ import yaml
 
 from tests.gateway.harness import flat_profile
 from tests.procs import DEADLINE_S, Proc, gateway_process, wait_for
-from tests.promserver import PROMETHEUS_READY_S, prometheus
+from tests.promserver import PROMETHEUS_READY_S, api, prometheus, query
 from tidegate.gateway.observe import TARGETS_PATH
 
 pytestmark = pytest.mark.e2e
@@ -83,27 +82,14 @@ def _prometheus_config(tmp_path: Path, gateway: Proc) -> Path:
     return path
 
 
-def _api(url: str, path: str, **params: str) -> Any:
-    answer = httpx.get(f"{url}/api/v1/{path}", params=params, timeout=DEADLINE_S)
-    answer.raise_for_status()
-    body = answer.json()
-    assert body["status"] == "success", body
-    return body["data"]
-
-
 def _up_targets(url: str, job: str) -> dict[str, dict[str, str]]:
     """replica (or instance) -> labels of the job's active targets that are up."""
-    targets = _api(url, "targets", state="active")["activeTargets"]
+    targets = api(url, "targets", state="active")["activeTargets"]
     return {
         t["labels"].get("replica", t["labels"]["instance"]): t["labels"]
         for t in targets
         if t["labels"]["job"] == job and t["health"] == "up"
     }
-
-
-def _query(url: str, expr: str) -> list[dict[str, Any]]:
-    result: list[dict[str, Any]] = _api(url, "query", query=expr)["result"]
-    return result
 
 
 def test_prometheus_scrapes_every_worker_found_through_the_gateway(tmp_path: Path) -> None:
@@ -129,11 +115,11 @@ def test_prometheus_scrapes_every_worker_found_through_the_gateway(tmp_path: Pat
 
             # Every worker's series carry its replica and pool, its own model label kept.
             def all_workers(expr: str) -> bool:
-                return {s["metric"].get("replica") for s in _query(prom, expr)} == set(expected)
+                return {s["metric"].get("replica") for s in query(prom, expr)} == set(expected)
 
             wait_for(lambda: all_workers("tidegate_worker_ready == 1"))
             wait_for(lambda: all_workers("process_resident_memory_bytes{job='tidegate-workers'}"))
-            for series in _query(prom, "tidegate_worker_ready"):
+            for series in query(prom, "tidegate_worker_ready"):
                 metric = series["metric"]
                 assert metric["model"] == expected[metric["replica"]]["model"]
                 assert metric["pool"] == expected[metric["replica"]]["pool"]
@@ -144,7 +130,7 @@ def test_prometheus_scrapes_every_worker_found_through_the_gateway(tmp_path: Pat
                 "tidegate_replica_info{job='tidegate-gateway'}"
             )
             wait_for(lambda: all_workers(joined))
-            for series in _query(prom, joined):
+            for series in query(prom, joined):
                 metric = series["metric"]
                 assert metric["device"] == "cpu"
                 assert metric["url"].startswith("http://127.0.0.1:")

@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
-from typing import Any
 
-import httpx
 import yaml
 
 from tests.gateway.harness import flat_profile
 from tests.ops.doctor_load import load, one_slot_model, tidegate, write_config
 from tests.procs import DEADLINE_S, gateway_process, wait_for
-from tests.promserver import prometheus
+from tests.promserver import prometheus, query_sum
 from tidegate.gateway.observe import TARGETS_PATH
 
 
@@ -38,12 +36,6 @@ def _scrape_config(tmp_path: Path, gateway_url: str) -> Path:
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def _value(url: str, expr: str) -> float:
-    answer = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=DEADLINE_S)
-    result: list[dict[str, Any]] = answer.json()["data"]["result"]
-    return sum(float(series["value"][1]) for series in result)
 
 
 OVERLOAD_RULES = {"high_priority_shed", "rejection_storm", "batches_too_small", "autoscale_stuck"}
@@ -71,11 +63,11 @@ def test_overload_read_back_from_prometheus(tmp_path: Path) -> None:
             load(gateway.url, "sim", {"high": 8, "low": 4}),
         ):
             shed = 'sum(tidegate_requests_total{priority="high",outcome="rejected_full"})'
-            wait_for(lambda: _value(prom, shed) > 0)
-            wait_for(lambda: _value(prom, "sum(tidegate_batch_size_count)") > 0)
-            seen = _value(prom, 'sum(tidegate_requests_total{outcome="completed"})')
+            wait_for(lambda: query_sum(prom, shed) > 0)
+            wait_for(lambda: query_sum(prom, "sum(tidegate_batch_size_count)") > 0)
+            seen = query_sum(prom, 'sum(tidegate_requests_total{outcome="completed"})')
             wait_for(
-                lambda: _value(prom, 'sum(tidegate_requests_total{outcome="completed"})') > seen
+                lambda: query_sum(prom, 'sum(tidegate_requests_total{outcome="completed"})') > seen
             )
             # Read until every symptom is seen: on a loaded machine one reading can fall on
             # a scrape that saw the queue empty for a moment (autoscale_stuck needs a backlog).

@@ -16,7 +16,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -25,6 +24,7 @@ import yaml
 from tests.loadthreads import ClosedLoop
 from tests.ops.observability_fixtures import config_dict, grafana_to_promql, write_profile
 from tests.procs import DEADLINE_S, gateway_process, wait_for
+from tests.promserver import api, query
 from tests.promserver import prometheus as prometheus_server
 from tidegate.config import load_config
 from tidegate.ops.grafana import panel_queries, render_dashboard
@@ -97,18 +97,6 @@ def prometheus(folder: Path, gateway_url: str) -> Iterator[str]:
         poll_s=0.1,
     ) as url:
         yield url
-
-
-def api(url: str, path: str, **params: str) -> Any:
-    answer = httpx.get(f"{url}/api/v1/{path}", params=params, timeout=DEADLINE_S)
-    answer.raise_for_status()
-    body = answer.json()
-    assert body["status"] == "success", body
-    return body["data"]
-
-
-def query(url: str, expr: str) -> list[dict[str, Any]]:
-    return api(url, "query", query=expr)["result"]  # type: ignore[no-any-return]
 
 
 def firing(url: str, name: str) -> bool:
