@@ -127,7 +127,9 @@ def test_replicas_are_placed_round_robin_over_the_pool_devices() -> None:
     assert {r.kind for r in workers.replicas} == {"local"}
     assert [r.state for r in workers.replicas] == [ReplicaState.STARTING] * 4
     assert workers.replicas[3].slots == 5
-    assert device_env("cuda:3") == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "3"})
+    # NVML numbers devices in PCI bus order; CUDA must count the same way.
+    expected = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "3"}
+    assert device_env("cuda:3") == ("cuda:0", expected)
     assert device_env("cpu") == ("cpu", {"CUDA_VISIBLE_DEVICES": ""})
 
 

@@ -3,7 +3,8 @@
 One ``Replica`` per local replica in the configuration (for each model that is not served by
 upstreams, for each pool, ``count`` of them), with ids like ``minilm-shared-0``. Each gets a
 device round-robin over its pool's devices (``auto``: the GPUs NVML finds, else cpu). A
-``cuda:N`` replica runs with ``CUDA_VISIBLE_DEVICES=N`` and ``--device cuda:0``; a cpu one
+``cuda:N`` replica runs with ``CUDA_VISIBLE_DEVICES=N`` (NVML's index, so with
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``) and ``--device cuda:0``; a cpu one
 with ``CUDA_VISIBLE_DEVICES`` empty, so it never touches a GPU.
 
 Each replica has one supervisor task for its whole life:
@@ -99,7 +100,10 @@ def resolve_devices(devices: Iterable[str], gpus: Callable[[], int] = gpu_count)
 def device_env(device: str) -> tuple[str, dict[str, str]]:
     """The worker's ``--device`` and environment for a placement (cpu or cuda:N)."""
     if device.startswith("cuda:"):
-        return "cuda:0", {"CUDA_VISIBLE_DEVICES": device.removeprefix("cuda:")}
+        # N is NVML's index, in PCI bus order; CUDA's own order (fastest first) may differ
+        # on a host with mixed GPUs, and would put the worker on another device.
+        index = device.removeprefix("cuda:")
+        return "cuda:0", {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": index}
     return "cpu", {"CUDA_VISIBLE_DEVICES": ""}
 
 

@@ -14,7 +14,7 @@ two is what the window cost:
   tidegate worker's /metrics, giving the mean batch and the engine time per batch. Other
   servers (vLLM) have none: those fields stay empty.
 
-psutil (the ``engine`` extra) and nvidia-ml-py (the ``gpu`` extra) are imported lazily; without
+psutil and nvidia-ml-py (both in the ``engine`` extra) are imported lazily; without
 them the fields they feed are empty, never guessed.
 """
 
@@ -233,7 +233,7 @@ class GpuMemory:
         try:
             import pynvml
         except ImportError:
-            log.warning("nvidia-ml-py is not installed (extra `gpu`): no GPU memory figures")
+            log.warning("nvidia-ml-py is not installed (extra `engine`): no GPU memory figures")
             return None
         try:
             pynvml.nvmlInit()
