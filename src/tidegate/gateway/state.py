@@ -1,4 +1,4 @@
-"""The gateway's state: config, one dispatcher per model, the replicas, the client to them.
+"""The gateway's state: config, one dispatcher per model, the replicas, the clients to them.
 
 The dispatchers own the queues (one task each); this object starts and stops them with the
 orchestrators, and offers the waits that shutdown and scale-in need (idle, a replica idle).
@@ -24,7 +24,7 @@ import aiohttp
 from tidegate.config import TidegateConfig
 from tidegate.errors import NotReady
 from tidegate.gateway.dispatcher import ModelDispatcher
-from tidegate.gateway.proxy import replica_client
+from tidegate.gateway.proxy import ReplicaPool
 from tidegate.gateway.replicas import Replica
 from tidegate.metrics import GatewayMetrics
 
@@ -33,13 +33,18 @@ log = logging.getLogger("tidegate.gateway")
 
 @dataclass
 class Gateway:
-    """The gateway's state: config, one dispatcher per model, the client to replicas."""
+    """The gateway's state: config, one dispatcher per model, the clients to replicas.
+
+    ``pool`` carries the proxied requests (``proxy.forward``); ``client``, a general one,
+    the dashboard's reads of the replicas' metrics.
+    """
 
     config: TidegateConfig
     replicas: dict[str, list[Replica]]
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     dispatchers: dict[str, ModelDispatcher] = field(default_factory=dict)
     client: aiohttp.ClientSession | None = None
+    pool: ReplicaPool = field(default_factory=ReplicaPool)
     shutting_down: bool = False
     orchestrators: list[Any] = field(default_factory=list)  # start() / stop() replicas
     controller: Any = None  # control.controller.Controller when a model is autoscaled
@@ -99,7 +104,10 @@ class Gateway:
     async def start(self) -> None:
         """Dispatchers first, then the replicas in the background: the gateway is live at
         once and routes to each replica as soon as it is ready."""
-        self.client = replica_client()
+        self.client = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, connect=5.0),
+            skip_auto_headers=("User-Agent",),
+        )
         for dispatcher in self.dispatchers.values():
             self._tasks.append(asyncio.create_task(dispatcher.run(), name=dispatcher.model))
         for orchestrator in self.orchestrators:
@@ -111,6 +119,7 @@ class Gateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for orchestrator in self.orchestrators:
             await orchestrator.stop()
+        await self.pool.close()
         if self.client is not None:
             await self.client.close()
 
