@@ -309,9 +309,10 @@ class ClientWatch:
             raise
 
     async def close(self) -> None:
+        # Cancelled, not awaited: the watcher is parked in ``receive()`` and the cancellation
+        # reaches it there before it can take another message from the channel.
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
 

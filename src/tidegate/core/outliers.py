@@ -117,6 +117,8 @@ def decide_outlier(
     if not failed:
         if state.returned_at is not None and now - state.returned_at >= config.max_ejection_s:
             return OutlierState(), OutlierAction.NONE  # good long enough: forget its past
+        if state.consecutive_failures == 0:
+            return state, OutlierAction.NONE  # the common case: nothing to forget
         return dataclasses.replace(state, consecutive_failures=0), OutlierAction.NONE
     counted = dataclasses.replace(state, consecutive_failures=state.consecutive_failures + 1)
     if counted.consecutive_failures < config.consecutive_failures:

@@ -80,7 +80,7 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/v1/models", responses={401: _error_response(401)})
     async def models(request: Request) -> dict[str, Any]:
-        authenticate(config, request)
+        authenticate(config, request.headers)
         data = [
             {
                 "id": name,

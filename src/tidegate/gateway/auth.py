@@ -10,6 +10,7 @@ needs a key with role ``admin`` (403 for another key); ``/metrics`` needs what
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import Request
@@ -18,10 +19,11 @@ from tidegate.config import KeySpec, TidegateConfig
 from tidegate.errors import Forbidden, InvalidRequest, PriorityForbidden, Unauthorized
 
 
-def authenticate(config: TidegateConfig, request: Request) -> KeySpec | None:
+def authenticate(config: TidegateConfig, headers: Mapping[str, str]) -> KeySpec | None:
+    """The key of a request with these (lower-case) headers; None on an open service."""
     if config.open_service:
         return None
-    header = request.headers.get("authorization", "")
+    header = headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthorized("an API key is required: Authorization: Bearer <key>")
@@ -33,7 +35,7 @@ def authenticate(config: TidegateConfig, request: Request) -> KeySpec | None:
 
 def authorize_admin(config: TidegateConfig, request: Request) -> KeySpec | None:
     """The admin key of ``request`` (None on an open service); 401 or 403 otherwise."""
-    key = authenticate(config, request)
+    key = authenticate(config, request.headers)
     if key is not None and not key.admin:
         raise Forbidden(
             f"key {key.name} has role {key.role}; {request.url.path} needs a key with role admin"
@@ -45,15 +47,15 @@ def authorize_metrics(config: TidegateConfig, request: Request) -> None:
     """``/metrics`` per ``gateway.metrics_auth``: open, any valid key, or an admin key."""
     mode = config.gateway.metrics_auth
     if mode == "key":
-        authenticate(config, request)
+        authenticate(config, request.headers)
     elif mode == "admin":
         authorize_admin(config, request)
 
 
 def requested_level(
-    config: TidegateConfig, key: KeySpec | None, request: Request, payload: dict[str, Any]
+    config: TidegateConfig, key: KeySpec | None, headers: Mapping[str, str], payload: dict[str, Any]
 ) -> int:
-    asked: Any = request.headers.get("x-priority")
+    asked: Any = headers.get("x-priority")
     if asked is None:
         asked = payload.get("priority")
     default = key.default_level if key else config.default_level

@@ -71,6 +71,26 @@ class _Call:
     def headers(self) -> dict[str, str]:
         return {"X-Request-Id": self.rid, "X-Tidegate-Queue-Ms": f"{self.queue_s * 1e3:.1f}"}
 
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+        return [
+            (b"x-request-id", self.rid.encode("latin-1")),
+            (b"x-tidegate-queue-ms", f"{self.queue_s * 1e3:.1f}".encode()),
+        ]
+
+
+OWN_HEADERS = {b"x-request-id", b"x-tidegate-queue-ms"}  # the gateway's, never the replica's
+
+
+class _Passed(Response):
+    """A replica's whole answer, passed on as it came: its headers are already ASGI's, so
+    none of ``Response``'s own header building."""
+
+    def __init__(self, status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status_code = status
+        self.body = body
+        self.background = None
+        self.raw_headers = [*raw_headers, (b"content-length", str(len(body)).encode())]
+
 
 async def serve_proxy(gateway: Gateway, scope: Scope, receive: Receive, send: Send) -> None:
     """The proxy routes as a bare ASGI app: the gateway's app hands them over before any
@@ -130,7 +150,8 @@ def _count(gateway: Gateway, call: _Call) -> None:
 
 async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) -> Response:
     config = gateway.config
-    key = authenticate(config, request)
+    headers_in = request.headers
+    key = authenticate(config, headers_in)
     if gateway.shutting_down:
         raise NotReady("the gateway is shutting down", code="shutting_down")
     raw = await request.body()
@@ -149,19 +170,20 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
         if named is not None and not named.local
         else wire.REQUEST_OF_PATH
     )
-    parsed = wire.parse(schemas[request.url.path], payload)
+    path = request.scope["path"]
+    parsed = wire.parse(schemas[path], payload)
     model = parsed.model
     if model not in gateway.dispatchers:
         raise ModelNotFound(f"model {model!r} does not exist; see /v1/models", param="model")
     call.model = model
-    task = TASK_OF_PATH[request.url.path]
+    task = TASK_OF_PATH[path]
     spec = config.model(model)
     if spec.task != task:
         other = "/v1/embeddings" if spec.task == "embeddings" else "/v1/chat/completions"
         raise InvalidRequest(
             f"model {model} is a {spec.task} model; use {other}", param="model", code="wrong_task"
         )
-    level = requested_level(config, key, request, {"priority": parsed.priority})
+    level = requested_level(config, key, headers_in, {"priority": parsed.priority})
     call.priority = config.level_names[level] if not config.fifo else "fifo"
     stream = not isinstance(parsed, wire.EmbeddingsRequest) and parsed.stream
     dispatcher = gateway.dispatchers[model]
@@ -184,7 +206,7 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
     while True:
         replica = await _wait_for_slot(dispatcher, ticket, call)
         try:
-            forwarded = await _send(gateway, replica, request.url.path, body, headers, stream, call)
+            forwarded = await _send(gateway, replica, path, body, headers, stream, call)
         except ConnectFailed as exc:
             if not isinstance(exc, ReplicaGone):
                 dispatcher.record_answer(replica, ok=False)
@@ -262,10 +284,8 @@ async def _send(
     stream: bool,
     call: _Call,
 ) -> Forwarded:
-    assert gateway.client is not None
     if replica.url is None or not replica.ready:  # it died while this handler woke up
         raise ReplicaGone(f"replica {replica.id} stopped before the request was sent")
-    url = f"{replica.url}{path}"
     observe = gateway.metrics.request_duration.labels(call.model, call.priority, "ttft").observe
     if replica.auth_headers:
         headers = {**headers, **replica.auth_headers}
@@ -273,8 +293,9 @@ async def _send(
         # Shutdown's deadline answers 503; a client gone cancels the forward.
         async with gateway.until_cut_off(), call.watch:
             return await forward(
-                gateway.client,
-                url,
+                gateway.pool,
+                replica.url,
+                path,
                 body,
                 headers,
                 stream=stream,
@@ -291,7 +312,8 @@ def _respond(
     forwarded: Forwarded,
     call: _Call,
 ) -> Response:
-    headers = {**forwarded.headers, **call.headers()}
+    headers = [(n, v) for n, v in forwarded.headers if n not in OWN_HEADERS]
+    headers += call.raw_headers()
     e2e = gateway.metrics.request_duration.labels(call.model, call.priority, "e2e").observe
     if forwarded.chunks is None:
         dispatcher.release(replica, completed=forwarded.status < 500)
@@ -301,7 +323,7 @@ def _respond(
             else ("invalid" if forwarded.status < 500 else "failed")
         )
         e2e(time.monotonic() - call.started)
-        return Response(forwarded.body, forwarded.status, headers=headers)
+        return _Passed(forwarded.status, headers, forwarded.body or b"")
 
     chunks = forwarded.chunks
 
@@ -336,7 +358,10 @@ def _respond(
 
     call.outcome = "streaming"  # counted when the stream ends, not now
     return StreamingResponse(
-        passthrough(), forwarded.status, headers=headers, media_type="text/event-stream"
+        passthrough(),
+        forwarded.status,
+        headers={n.decode("latin-1"): v.decode("latin-1") for n, v in headers},
+        media_type="text/event-stream",
     )
 
 
