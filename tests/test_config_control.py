@@ -17,6 +17,7 @@ import yaml
 
 from tidegate.config import TidegateConfig, check_config, load_config, parse_config, render_config
 from tidegate.config.control import default_memory_mb
+from tidegate.control.local import worker_command
 from tidegate.core.autoscale import (
     DEFAULT_SCALE_DOWN,
     DEFAULT_SCALE_UP,
@@ -705,3 +706,21 @@ def test_bad_defrag_window_names_the_key_and_fix(
         parse({**model(), "controller": {"defrag": defrag}})
     assert caught.value.key == key
     assert fix in str(caught.value).split("Fix: ")[1]
+
+
+def test_engine_process_goes_to_the_workers_and_renders_back() -> None:
+    config = parse(model(engine_process=True))
+    settings = config.worker_settings("sim")
+    assert settings.engine_process is True
+    assert "--engine-process" in worker_command(settings)
+    assert parse(yaml.safe_load(render_config(config))).model("sim").engine_process is True
+    default = parse(model()).worker_settings("sim")
+    assert default.engine_process is None  # the engine's own default
+    assert not {"--engine-process", "--no-engine-process"} & set(worker_command(default))
+
+
+def test_engine_process_on_a_generation_model_names_the_key_and_fix() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse({"models": [{**GEN, "engine_process": False}]})
+    assert caught.value.key == "models[0].engine_process"
+    assert "remove engine_process" in str(caught.value).split("Fix: ")[1]

@@ -94,6 +94,14 @@ def worker(
         float | None,
         typer.Option(min=0.0, help="Ready only once a probe request after warm-up is this fast."),
     ] = None,
+    engine_process: Annotated[
+        bool | None,
+        typer.Option(
+            "--engine-process/--no-engine-process",
+            help="Embeddings: run the model in a process of its own, off the HTTP server's "
+            "GIL. Default: on for transformers, off for simulated.",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve one replica of one model over the OpenAI HTTP API."""
@@ -114,6 +122,7 @@ def worker(
         seed=seed,
         memory_fraction=memory_fraction,
         probe_max_ms=probe_max_ms,
+        engine_process=engine_process,
     )
     try:
         code = serve_worker(settings, host, port, log_level)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-import pytest
 
 from tidegate.engines.embeddings import TransformersEmbeddings, minilm_path
 
@@ -18,41 +17,34 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine() -> TransformersEmbeddings:
-    engine = TransformersEmbeddings("minilm")
-    engine.load()
-    return engine
-
-
 def test_cosine_against_sentence_transformers_is_at_least_0_999(
-    engine: TransformersEmbeddings,
+    in_process: TransformersEmbeddings,
 ) -> None:
     from sentence_transformers import SentenceTransformer
 
     reference = SentenceTransformer(str(minilm_path()), device="cpu").encode(TEXTS)
-    ours = np.array(asyncio.run(engine.embed(TEXTS)))
+    ours = np.array(asyncio.run(in_process.embed(TEXTS)))
     reference = reference / np.linalg.norm(reference, axis=1, keepdims=True)
     cosine = (ours * reference).sum(axis=1)
     assert cosine.min() >= 0.999, cosine
     assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
 
 
-def test_card_and_token_counts(engine: TransformersEmbeddings) -> None:
-    assert engine.card.dimensions == 384
-    assert engine.card.max_context_tokens == 512
-    counts = engine.count_tokens(["hello world", TEXTS[-1]])
+def test_card_and_token_counts(in_process: TransformersEmbeddings) -> None:
+    assert in_process.card.dimensions == 384
+    assert in_process.card.max_context_tokens == 512
+    counts = in_process.count_tokens(["hello world", TEXTS[-1]])
     assert counts[0] == 4  # [CLS] hello world [SEP]
     assert counts[1] > 256  # counted before truncation, for the context check
 
 
-def test_memory_reports_weights_and_peak(engine: TransformersEmbeddings) -> None:
-    memory = engine.memory()
+def test_memory_reports_weights_and_peak(in_process: TransformersEmbeddings) -> None:
+    memory = in_process.memory()
     assert 80e6 < memory.weights_bytes < 100e6  # 22.7M float32 parameters
     assert memory.peak_bytes > memory.weights_bytes
 
 
-def test_counting_tokens_while_a_batch_runs_is_safe(engine: TransformersEmbeddings) -> None:
+def test_counting_tokens_while_a_batch_runs_is_safe(in_process: TransformersEmbeddings) -> None:
     # The worker counts tokens on the event loop while batches run in a thread; one shared
     # Hugging Face tokenizer used that way failed batches with "Unable to create tensor".
     import threading
@@ -64,7 +56,7 @@ def test_counting_tokens_while_a_batch_runs_is_safe(engine: TransformersEmbeddin
         try:
             for i in range(120):
                 # Different lengths: the batch needs padding, which the counting call resets.
-                engine.embed_sync(["tide " * (1 + j * 7) + str(i) for j in range(4)])
+                in_process.embed_sync(["tide " * (1 + j * 7) + str(i) for j in range(4)])
         except BaseException as exc:
             errors.append(exc)
         finally:
@@ -73,6 +65,6 @@ def test_counting_tokens_while_a_batch_runs_is_safe(engine: TransformersEmbeddin
     thread = threading.Thread(target=batches)
     thread.start()
     while not done.is_set():
-        engine.count_tokens(["counting on the event loop", "while batches run"])
+        in_process.count_tokens(["counting on the event loop", "while batches run"])
     thread.join()
     assert errors == []

@@ -111,6 +111,8 @@ def _render_model(model: ModelSpec) -> dict[str, Any]:
     out["memory_mb"] = model.memory_mb
     out["drain_timeout_s"] = model.drain_timeout_s
     out["probe_max_ms"] = model.probe_max_ms
+    if model.local and model.task == "embeddings":
+        out["engine_process"] = model.engine_process
     out["autoscaling"] = (
         None if model.autoscaling is None else render_autoscaling(model.autoscaling)
     )

@@ -263,7 +263,7 @@ class _Resolver:
                 f"model {m.name!r} is not built in ({built_in}), so its task is unknown",
                 "add 'task: embeddings' or 'task: generate'",
             )
-        self._engine_fields(m, key, known is not None)
+        self._engine_fields(m, key, known is not None, task)
         if m.engine == "transformers" and m.model_path is None and known and task != known.task:
             self.fail(
                 f"{key}.task",
@@ -317,10 +317,18 @@ class _Resolver:
             drain_timeout_s=control.drain_timeout_s,
             autoscaling=control.autoscaling,
             probe_max_ms=m.probe_max_ms,
+            engine_process=m.engine_process,
             upstream_keys=upstream_keys if any(upstream_keys) else (),
         )
 
-    def _engine_fields(self, m: _ModelIn, key: str, built_in: bool) -> None:
+    def _engine_fields(self, m: _ModelIn, key: str, built_in: bool, task: str) -> None:
+        if m.engine_process is not None and (m.engine == "openai" or task != "embeddings"):
+            self.fail(
+                f"{key}.engine_process",
+                "engine_process is only for embedding models served by tidegate's own workers "
+                f"(this model: task {task}, engine {m.engine})",
+                "remove engine_process",
+            )
         if m.profile is not None and m.engine != "simulated":
             self.fail(
                 f"{key}.profile",

@@ -164,6 +164,7 @@ class _ModelIn(_Strict):
     memory_mb: PositiveInt | None = None  # None: from the profile, else the task's default
     drain_timeout_s: NonNegativeFloat = 30.0
     probe_max_ms: PositiveFloat | None = None  # ready only once a probe after warm-up is this fast
+    engine_process: bool | None = None  # embeddings: the model in a process of its own
     autoscaling: _AutoscalingIn | None = None
 
 

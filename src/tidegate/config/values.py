@@ -117,6 +117,8 @@ class ModelSpec:
     drain_timeout_s: float = 30.0  # scale-in: in-flight requests may finish this long
     autoscaling: AutoscaleConfig | None = None  # None: static, ``replicas`` is all it has
     probe_max_ms: float | None = None  # ready only once a probe after warm-up is this fast
+    # embeddings: the model in a process of its own (engines/process.py); None: the default
+    engine_process: bool | None = None
     # per upstream (same order as ``upstreams``): its API key, or None; () when none has one
     upstream_keys: tuple[UpstreamKey | None, ...] = ()
 
@@ -293,6 +295,7 @@ class TidegateConfig:
             max_num_seqs=model.batching.max_num_seqs,
             profile=model.profile,
             probe_max_ms=model.probe_max_ms,
+            engine_process=model.engine_process,
         )
 
     # ------------------------------------------------------------------ keys

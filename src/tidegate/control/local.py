@@ -158,6 +158,8 @@ def worker_command(settings: WorkerSettings, log_level: str = "info") -> list[st
         args += ["--probe-max-ms", f"{s.probe_max_ms:g}"]
     if s.memory_fraction is not None:
         args += ["--memory-fraction", f"{s.memory_fraction:.4f}"]
+    if s.engine_process is not None:
+        args.append("--engine-process" if s.engine_process else "--no-engine-process")
     return args
 
 

@@ -12,12 +12,24 @@ still runs, and refuses every later request. It never looks alive once it is not
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
+log = logging.getLogger("tidegate.engine")
 
 Task = Literal["embeddings", "generate"]
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy decoding
+# A batch of embeddings: float32, one C-contiguous row per input (inputs x dimensions). Rows
+# go to the wire as they are (base64 is their bytes), with no Python float in between.
+Vectors: TypeAlias = "NDArray[np.float32]"
+Vector: TypeAlias = "NDArray[np.float32]"  # one row of Vectors (a view: no copy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +98,56 @@ class _Loaded(Protocol):
         """
 
 
+class FailureNotice:
+    """The ``on_failure`` half of an engine with a loop of its own: owners are told once.
+
+    ``subscribe`` keeps a callback (called at once when the death is known already);
+    ``announce(reason)`` calls each one once, on the calling thread. A callback that raises
+    is logged and the others are still told; with no callback the reason is logged, so that
+    a death is never silent.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._reason: str | None = None
+        self._callbacks: list[Callable[[str], None]] = []
+
+    @property
+    def reason(self) -> str | None:
+        """Why the engine died; None while it lives."""
+        return self._reason
+
+    def subscribe(self, callback: Callable[[str], None]) -> None:
+        with self._lock:
+            reason = self._reason
+            if reason is None:
+                self._callbacks.append(callback)
+        if reason is not None:
+            callback(reason)
+
+    def announce(self, reason: str) -> None:
+        with self._lock:
+            if self._reason is not None:
+                return
+            self._reason = reason
+            callbacks, self._callbacks = self._callbacks, []
+        if not callbacks:  # nobody owns this engine to say it: say it here
+            log.error("%s", reason)
+        for callback in callbacks:
+            try:
+                callback(reason)
+            except Exception:  # one owner's bug must not keep the others uninformed
+                log.exception("engine %s: a failure callback failed", self.name)
+
+
 @runtime_checkable
 class EmbeddingEngine(_Loaded, Protocol):
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Tokens per text, before truncation: for token budgets and the context check."""
 
-    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        """One batch; inference runs off the event loop."""
+    async def embed(self, texts: Sequence[str]) -> Vectors:
+        """One batch, a row per text; inference runs off the event loop."""
 
 
 @runtime_checkable

@@ -51,6 +51,7 @@ from typing import Any
 from tidegate.engines import tiny_llama
 from tidegate.engines.base import (
     GREEDY_BELOW,
+    FailureNotice,
     MemoryReport,
     ModelCard,
     SamplingParams,
@@ -207,8 +208,7 @@ class TransformersGenerator:
         self._reader: threading.Thread | None = None
         self._stopping = threading.Event()
         self._failure: str | None = None  # set once the engine cannot generate any more
-        self._died: str | None = None  # why the manager died (a failure that is not close())
-        self._on_failure: list[Callable[[str], None]] = []
+        self._notice = FailureNotice(name)  # the manager died (a failure that is not close())
         self._closed = False
 
     # ------------------------------------------------------------------ card
@@ -346,27 +346,14 @@ class TransformersGenerator:
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` once, from the reader thread, when the manager dies."""
-        with self._lock:
-            died = self._died
-            if died is None:
-                self._on_failure.append(callback)
-        if died is not None:
-            callback(died)
+        self._notice.subscribe(callback)
 
     def _die(self, reason: str) -> None:
         """The manager can generate no more: refuse new sequences, tell the owners once."""
         with self._lock:
-            if self._died is not None:
-                return
-            self._died = self._failure = reason
-            callbacks, self._on_failure = self._on_failure, []
-        if not callbacks:  # nobody owns this engine to say it: say it here
-            log.error("%s", reason)
-        for callback in callbacks:
-            try:
-                callback(reason)
-            except Exception:  # one owner's bug must not keep the others uninformed
-                log.exception("engine %s: a failure callback failed", self.name)
+            if self._notice.reason is None:  # the first death's reason stays
+                self._failure = reason
+        self._notice.announce(reason)
 
     # ------------------------------------------------------------------ prompts
     def encode(self, prompt: str) -> list[int]:

@@ -31,10 +31,14 @@ def engine_memory(model: Any, device: str) -> MemoryReport:
     if device.startswith("cuda"):
         peak = int(torch.cuda.max_memory_allocated(torch.device(device)))
     else:
-        # ru_maxrss is KiB on Linux, bytes on macOS.
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak = rss if sys.platform == "darwin" else rss * 1024
+        peak = peak_rss_bytes()
     return MemoryReport(device=device, weights_bytes=weights, peak_bytes=peak)
+
+
+def peak_rss_bytes() -> int:
+    """The peak resident memory of this process."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # KiB on Linux, bytes on macOS
 
 
 def claim_device(device: str, memory_fraction: float | None) -> Any:

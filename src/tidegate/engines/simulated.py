@@ -13,9 +13,12 @@ import asyncio
 import hashlib
 import math
 import random
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from tidegate.engines.base import MemoryReport, ModelCard, SamplingParams, TokenEvent
+import numpy as np
+
+from tidegate.engines.base import MemoryReport, ModelCard, SamplingParams, TokenEvent, Vectors
 from tidegate.engines.profile import EngineProfile
 from tidegate.engines.text import StopScanner
 
@@ -67,22 +70,33 @@ class SimulatedEmbeddings:
     def memory(self) -> MemoryReport:
         return _memory(self.profile)
 
+    def load_counter(self) -> None:
+        """Counting needs nothing loaded."""
+
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return [_approx_tokens(text) for text in texts]
 
     def batch_latency_s(self, batch_size: int) -> float:
         return self._latency(batch_size) / 1e3
 
-    async def embed(self, texts: Sequence[str]) -> list[list[float]]:
+    async def embed(self, texts: Sequence[str]) -> Vectors:
         await asyncio.sleep(self.batch_latency_s(len(texts)))
-        return [self._vector(text) for text in texts]
+        return self._vectors(texts)
 
-    def _vector(self, text: str) -> list[float]:
-        digest = hashlib.blake2b(f"{self.seed}:{text}".encode(), digest_size=8).digest()
-        rng = random.Random(int.from_bytes(digest, "big"))
-        values = [rng.gauss(0.0, 1.0) for _ in range(self.card.dimensions)]
-        norm = math.sqrt(sum(v * v for v in values)) or 1.0
-        return [v / norm for v in values]
+    def embed_sync(self, texts: list[str]) -> Vectors:
+        """One batch on the calling thread (in an engine process of its own)."""
+        time.sleep(self.batch_latency_s(len(texts)))
+        return self._vectors(texts)
+
+    def _vectors(self, texts: Sequence[str]) -> Vectors:
+        vectors = np.empty((len(texts), self.card.dimensions), dtype=np.float32)
+        for row, text in enumerate(texts):
+            digest = hashlib.blake2b(f"{self.seed}:{text}".encode(), digest_size=8).digest()
+            rng = random.Random(int.from_bytes(digest, "big"))
+            values = [rng.gauss(0.0, 1.0) for _ in range(self.card.dimensions)]
+            norm = math.sqrt(sum(v * v for v in values)) or 1.0
+            vectors[row] = [v / norm for v in values]
+        return vectors
 
 
 class SimulatedGenerator:

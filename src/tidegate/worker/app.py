@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import logging
 import time
 import uuid
-from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar, cast
 
@@ -42,7 +42,9 @@ from tidegate.engines.base import (
     ModelCard,
     SamplingParams,
     TokenEvent,
+    Vector,
 )
+from tidegate.engines.process import Counting, ProcessEmbeddingEngine, wants_engine_process
 from tidegate.engines.registry import build_engine
 from tidegate.errors import (
     InvalidRequest,
@@ -62,7 +64,9 @@ CHAT_DEFAULT_MAX_TOKENS = 256
 
 
 def default_engine_factory(settings: WorkerSettings) -> Engine:
-    return build_engine(
+    """The engine of ``settings``, in this process or in one of its own (engine_process)."""
+    build = functools.partial(
+        build_engine,
         settings.model,
         settings.engine,
         model_path=settings.model_path,
@@ -73,6 +77,11 @@ def default_engine_factory(settings: WorkerSettings) -> Engine:
         max_num_seqs=settings.max_num_seqs,
         memory_fraction=settings.memory_fraction,
     )
+    engine = build()
+    if not wants_engine_process(settings.engine_process, engine.card):
+        return engine
+    assert isinstance(engine, Counting)  # every embedding engine counts without loading
+    return ProcessEmbeddingEngine(build, engine)
 
 
 def create_app(
@@ -485,10 +494,12 @@ def _count_tokens(worker: Worker, prompt: int, completion: int) -> None:
     worker.metrics.tokens.labels(worker.settings.model, "completion").inc(completion)
 
 
-def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
+def _encode(vector: Vector, encoding_format: str) -> list[float] | str:
+    """One row of an engine's float32 vectors: its bytes in base64, or Python floats."""
     if encoding_format == "base64":
-        return base64.b64encode(array("f", vector).tobytes()).decode()
-    return vector
+        return base64.b64encode(vector.data).decode()
+    floats: list[float] = vector.tolist()
+    return floats
 
 
 def _model_entry(worker: Worker) -> dict[str, Any]:

@@ -31,7 +31,13 @@ from tidegate.clock import SYSTEM_CLOCK, Clock
 from tidegate.core.batching import BatchConfig, BatchView, Release, plan_batch
 from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
 from tidegate.core.request import Request
-from tidegate.engines.base import EmbeddingEngine, GenerationEngine, SamplingParams, TokenEvent
+from tidegate.engines.base import (
+    EmbeddingEngine,
+    GenerationEngine,
+    SamplingParams,
+    TokenEvent,
+    Vector,
+)
 from tidegate.errors import Overloaded, ReplicaFailed
 from tidegate.metrics import WorkerMetrics
 
@@ -88,7 +94,7 @@ class EmbeddingBatcher:
         self.throughput = Throughput()
         self.num_running = 0  # inputs in the batch on the engine now
         self._texts: dict[str, str] = {}
-        self._results: dict[str, asyncio.Future[list[float]]] = {}
+        self._results: dict[str, asyncio.Future[Vector]] = {}
         self._wake = asyncio.Event()
         self._ids = itertools.count()
         self.failure: BaseException | None = None  # set by fail(): the engine is gone
@@ -100,7 +106,7 @@ class EmbeddingBatcher:
 
     async def embed(
         self, texts: Sequence[str], tokens: Sequence[int], priority: int
-    ) -> list[list[float]]:
+    ) -> list[Vector]:
         """Queue every input, wait for all; cancelling this removes what is still queued."""
         if self.failure is not None:
             raise self.failure
@@ -183,7 +189,7 @@ class EmbeddingBatcher:
             self._settle(r.id, vector)
 
     def _settle(
-        self, rid: str, vector: list[float] | None = None, exc: BaseException | None = None
+        self, rid: str, vector: Vector | None = None, exc: BaseException | None = None
     ) -> None:
         future = self._results.get(rid)
         if future is None or future.done():
@@ -191,7 +197,8 @@ class EmbeddingBatcher:
         if exc is not None:
             future.set_exception(exc)
         else:
-            future.set_result(vector or [])
+            assert vector is not None
+            future.set_result(vector)
 
 
 class SequenceScheduler:
