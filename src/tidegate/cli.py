@@ -99,7 +99,7 @@ def worker(
         typer.Option(
             "--engine-process/--no-engine-process",
             help="Embeddings: run the model in a process of its own, off the HTTP server's "
-            "GIL. Default: on for transformers, off for simulated.",
+            "GIL. Default: off.",
         ),
     ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",

@@ -89,8 +89,7 @@ def test_a_worker_whose_engine_process_is_killed_exits_1_and_says_why(
 def test_sigterm_stops_the_worker_and_its_engine_process_cleanly(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
-    # minilm runs in an engine process by default.
-    with worker_process("--model", "minilm") as worker:
+    with worker_process("--model", "minilm", "--engine-process") as worker:
         child = engine_process(worker)
         assert httpx.post(f"{worker.url}/v1/embeddings", json=EMBED, timeout=60).status_code == 200
         os.killpg(worker.process.pid, signal.SIGTERM)  # the whole group, as supervisors do

@@ -57,9 +57,11 @@ READY, VECTORS, ERROR, REPORT = range(4)  # child -> worker answers
 _HEADER = struct.Struct("<BQII")  # kind, request id, rows, columns
 STOP_TIMEOUT_S = 10.0  # close() waits this long for the child's own exit, then kills it
 MEMORY_TIMEOUT_S = 10.0  # memory() waits this long for the child, then reports what it had
-# Where the engine runs when the settings do not say: its own process for transformers
-# embeddings (bench_worker.py measured it faster), the worker's for the rest.
-DEFAULT_ENGINE_PROCESS = {"transformers": True, "simulated": False}
+# Where the engine runs when the settings do not say: the worker's process for now. On this
+# 2-CPU machine bench_worker.py measured no gain from the engine process (docs/benchmarks.md,
+# "Worker batching"): the loss there is CPU contention between the HTTP loop and torch's
+# threads, not the GIL. Turn one on here once a benchmark shows it wins.
+DEFAULT_ENGINE_PROCESS = {"transformers": False, "simulated": False}
 
 
 def wants_engine_process(requested: bool | None, card: ModelCard) -> bool:

@@ -57,7 +57,7 @@ class WorkerSettings:
     memory_fraction: float | None = None  # CUDA: this process's cap on its device's memory
     probe_max_ms: float | None = None  # ready only once a probe request is this fast
     # Embeddings: the engine in a process of its own (engines/process.py), off this GIL;
-    # None: the engine's default (DEFAULT_ENGINE_PROCESS).
+    # None: the engine's default (DEFAULT_ENGINE_PROCESS: off for now).
     engine_process: bool | None = None
 
 
