@@ -40,3 +40,62 @@ async def test_a_client_that_went_away_is_answered_499_without_an_error_log(
     assert bug.status_code == 500
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert [r.getMessage() for r in errors] == ["unexpected error on POST /bug"]
+
+
+@pytest.mark.asyncio
+async def test_client_watch_cancels_a_long_await_when_the_client_goes() -> None:
+    """The watcher starts a moment into the await; the disconnect then ends it."""
+    import asyncio
+
+    from tidegate.asgi import ClientWatch
+
+    disconnected = asyncio.Event()
+    asked = asyncio.Event()
+
+    async def receive() -> dict[str, str]:
+        asked.set()  # the watcher is listening
+        await disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    watch = ClientWatch(receive)
+    never = asyncio.get_running_loop().create_future()
+
+    async def wait_forever() -> None:
+        async with watch:
+            await never
+
+    task = asyncio.create_task(wait_forever())
+    await asyncio.wait_for(asked.wait(), 30)
+    disconnected.set()
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(task, 30)
+    assert watch.gone
+    with pytest.raises(ClientGone):  # once gone, every later bound fails at once
+        async with watch:
+            pass
+    await watch.close()
+
+
+@pytest.mark.asyncio
+async def test_client_watch_reads_nothing_of_a_quick_answer() -> None:
+    """An await done before the watcher starts never takes a message from the channel:
+    the response's own sending owns it from ``close()`` on."""
+    import asyncio
+
+    from tidegate.asgi import ClientWatch
+
+    reads = 0
+
+    async def receive() -> dict[str, str]:
+        nonlocal reads
+        reads += 1
+        await asyncio.get_running_loop().create_future()
+        return {"type": "http.disconnect"}
+
+    watch = ClientWatch(receive)
+    async with watch:
+        await asyncio.sleep(0)
+    await watch.close()
+    assert watch._timer is None  # its start is called off: no watcher will ever read
+    assert watch._task is None
+    assert reads == 0

@@ -267,18 +267,26 @@ class ClientWatch:
     ``asyncio.timeout`` scope that the watcher expires, so it nests with other scopes (the
     gateway's shutdown cut-off) as asyncio's own timeouts do. Cheaper than
     ``unless_disconnected`` on a proxy's path: no task per await, one watcher per request,
-    started on the first ``async with`` (after the body was read: the only message left on
-    the channel is the disconnect). ``close()`` stops the watcher before the response is
-    sent (it then owns the channel).
+    started ``START_AFTER_S`` into the first ``async with`` (after the body was read: the
+    only message left on the channel is the disconnect), so that a request answered
+    sooner never starts one. ``close()`` stops the watcher before the response is sent
+    (it then owns the channel).
     """
 
-    __slots__ = ("_receive", "_scopes", "_task", "gone")
+    START_AFTER_S = 0.05  # a client gone is noticed this much later, at worst
+
+    __slots__ = ("_receive", "_scopes", "_task", "_timer", "gone")
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
         self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._scopes: list[asyncio.Timeout] = []
         self.gone = False
+
+    def _start(self) -> None:
+        self._timer = None
+        self._task = asyncio.ensure_future(self._watch())
 
     async def _watch(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
@@ -291,8 +299,8 @@ class ClientWatch:
     async def __aenter__(self) -> None:
         if self.gone:
             raise ClientGone
-        if self._task is None:
-            self._task = asyncio.ensure_future(self._watch())
+        if self._task is None and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.START_AFTER_S, self._start)
         scope = asyncio.timeout(None)
         await scope.__aenter__()
         self._scopes.append(scope)
@@ -311,6 +319,9 @@ class ClientWatch:
     async def close(self) -> None:
         # Cancelled, not awaited: the watcher is parked in ``receive()`` and the cancellation
         # reaches it there before it can take another message from the channel.
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._task is not None:
             self._task.cancel()
             self._task = None

@@ -267,6 +267,8 @@ class ModelDispatcher:
 
     def _dispatch(self, now: float) -> frozenset[int]:
         """Dispatch what free slots can take; returns the levels still servable then."""
+        if not len(self.queue):
+            return frozenset()  # nothing waits (a release with an empty queue): no views
         ejected = frozenset(r.id for r in self.replicas if r.outlier.ejected(now))
         views = {
             view.id: view

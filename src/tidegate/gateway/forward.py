@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -105,7 +105,7 @@ async def serve_proxy(gateway: Gateway, scope: Scope, receive: Receive, send: Se
 
 
 async def proxy_request(gateway: Gateway, request: Request) -> Response:
-    rid = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+    rid = request.headers.get("x-request-id") or f"req-{os.urandom(16).hex()}"
     call = _Call(rid=rid, watch=ClientWatch(request.receive))
     try:
         response = await _admit_and_forward(gateway, request, call)
