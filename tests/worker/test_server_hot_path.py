@@ -1,5 +1,6 @@
 """The HTTP servers' transport: what a handler writes in one event-loop turn leaves in one
-``write`` (uvicorn writes a response's head and body apart), and nothing is lost on close."""
+``write`` (uvicorn writes a response's head and body apart), and nothing is lost on close;
+and what the worker sets for torch's threads before torch loads."""
 
 from __future__ import annotations
 
@@ -64,3 +65,17 @@ async def test_close_sends_what_is_pending_first() -> None:
     await asyncio.sleep(0)
     await asyncio.sleep(0)
     assert len(recorder.writes) == 1  # the turn's flush finds nothing left
+
+
+@pytest.mark.parametrize(
+    ("device", "environ", "added"),
+    [
+        ("cpu", {}, {"OMP_WAIT_POLICY": "PASSIVE"}),  # torch's threads sleep, not spin
+        ("cpu", {"OMP_WAIT_POLICY": "ACTIVE"}, {}),  # the operator's own setting wins
+        ("cuda:0", {}, {}),  # a GPU's host threads are left as they are
+    ],
+)
+def test_torch_thread_env(device: str, environ: dict[str, str], added: dict[str, str]) -> None:
+    from tidegate.worker.server import torch_thread_env
+
+    assert torch_thread_env(device, environ) == added
