@@ -68,14 +68,18 @@ async def test_close_sends_what_is_pending_first() -> None:
 
 
 @pytest.mark.parametrize(
-    ("device", "environ", "added"),
+    ("device", "task", "environ", "added"),
     [
-        ("cpu", {}, {"OMP_WAIT_POLICY": "PASSIVE"}),  # torch's threads sleep, not spin
-        ("cpu", {"OMP_WAIT_POLICY": "ACTIVE"}, {}),  # the operator's own setting wins
-        ("cuda:0", {}, {}),  # a GPU's host threads are left as they are
+        ("cpu", "embeddings", {}, {"OMP_WAIT_POLICY": "PASSIVE"}),  # sleep, not spin
+        ("cpu", "embeddings", {"OMP_WAIT_POLICY": "ACTIVE"}, {}),  # the operator's wins
+        ("cpu", "generate", {}, {}),  # not measured for decode steps: as torch has it
+        ("cpu", None, {}, {}),  # unknown task
+        ("cuda:0", "embeddings", {}, {}),  # a GPU's host threads are left as they are
     ],
 )
-def test_torch_thread_env(device: str, environ: dict[str, str], added: dict[str, str]) -> None:
+def test_torch_thread_env(
+    device: str, task: str | None, environ: dict[str, str], added: dict[str, str]
+) -> None:
     from tidegate.worker.server import torch_thread_env
 
-    assert torch_thread_env(device, environ) == added
+    assert torch_thread_env(device, task, environ) == added
