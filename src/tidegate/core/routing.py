@@ -12,6 +12,13 @@ the choice is reproducible. Above ``power_of_two_above`` replicas the router sam
 eligible replicas and takes the less loaded: O(1) instead of O(n), and several gateways do
 not all pile onto the same one. The sample is drawn from ``choice_key`` so the same inputs
 give the same pick.
+
+Prefix affinity (``core.prefix``, a model's ``routing: prefix``): when the request carries a
+prefix key, the choice among the same eligible replicas is the key's replica on a
+consistent-hash ring under a bounded load instead of the least loaded. It plugs in after
+eligibility so that affinity never overrides pools, readiness, aging or flow control: it only
+chooses among what ``pick_replica`` would accept anyway. No power-of-two sampling then: the
+ring walk and the bound are what keep several gateways from piling onto one replica.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+
+from tidegate.core.prefix import PrefixAffinity, build_ring, pick_by_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +94,15 @@ def pick_replica(
     aged_level: int | None = None,
     power_of_two_above: int = DEFAULT_POWER_OF_TWO_ABOVE,
     choice_key: int = 0,
+    prefix_key: int | None = None,
+    affinity: PrefixAffinity | None = None,
 ) -> ReplicaView | None:
     """The replica to send a request of ``priority`` (aged to ``aged_level``) to, or None.
 
     Replicas of pools serving ``priority`` first; only when none has a free slot, those of
-    pools serving a level it has aged to (module docstring).
+    pools serving a level it has aged to (module docstring). With ``affinity`` and a
+    ``prefix_key``, the key's replica among those (bounded load) instead of the least loaded;
+    the ring spans every replica in ``replicas``, so a full one keeps its keys for later.
     """
     if not isinstance(replicas, Collection):
         replicas = list(replicas)  # it may be scanned twice
@@ -98,6 +111,9 @@ def pick_replica(
         candidates = eligible_replicas(replicas, priority, pools, aged_level)
     if not candidates:
         return None
+    if affinity is not None and prefix_key is not None:
+        ring = build_ring((replica.id for replica in replicas), affinity.num_vnodes)
+        return pick_by_prefix(candidates, prefix_key, ring, affinity)
     if len(candidates) > power_of_two_above:
         # Why sample: a full scan per request costs O(replicas) and sends every gateway copy
         # to the same least-loaded replica at once; two random choices avoid both.
