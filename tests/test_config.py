@@ -14,6 +14,7 @@ import yaml
 from tidegate.config import (
     EMBEDDED_SOURCE,
     FIFO_LEVEL,
+    RateLimitSpec,
     TidegateConfig,
     check_config,
     load_config,
@@ -24,6 +25,7 @@ from tidegate.config import values as config_module
 from tidegate.core.batching import BatchConfig
 from tidegate.core.outliers import OutlierConfig
 from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
+from tidegate.core.quota import BucketSpec, QuotaSpec
 from tidegate.core.routing import PoolSpec
 from tidegate.errors import ConfigError
 
@@ -363,6 +365,48 @@ BAD = [
         "keys[0].default_priority",
         "'high' is more urgent than max_priority 'medium'",
         "set default_priority to 'medium' or a less urgent level",
+    ),
+    Bad(
+        "rate_limit_of_zero",
+        {"keys": [{**KEY, "rate_limit": {"requests_per_s": 0}}]},
+        "keys[0].rate_limit.requests_per_s",
+        "out of range",
+        "> 0",
+    ),
+    Bad(
+        "rate_limit_infinite",
+        {"keys": [{**KEY, "rate_limit": {"requests_per_s": float("inf")}}]},
+        "keys[0].rate_limit.requests_per_s",
+        "expected a finite number",
+        "not .inf",
+    ),
+    Bad(
+        "rate_limit_burst_of_zero",
+        {"keys": [{**KEY, "rate_limit": {"requests_per_s": 1, "burst_requests": 0}}]},
+        "keys[0].rate_limit.burst_requests",
+        "out of range",
+        ">= 1",
+    ),
+    Bad(
+        "rate_limit_tokens_not_whole",
+        {"keys": [{**KEY, "rate_limit": {"tokens_per_min": 1500.5}}]},
+        "keys[0].rate_limit.tokens_per_min",
+        "expected an integer",
+        "whole number",
+    ),
+    Bad(
+        "rate_limit_burst_without_its_rate",
+        {"keys": [{**KEY, "rate_limit": {"requests_per_s": 5, "burst_tokens": 1000}}]},
+        "keys[0].rate_limit.burst_tokens",
+        "burst_tokens without tokens_per_min",
+        "add tokens_per_min, or remove burst_tokens",
+    ),
+    Bad(
+        "rate_limit_unknown_key",
+        {"keys": [{**KEY, "rate_limit": {"requests_per_sec": 5}}]},
+        "keys[0].rate_limit.requests_per_sec",
+        "unknown key 'requests_per_sec'",
+        "did you mean 'requests_per_s'?",
     ),
     Bad(
         "unknown_key_role",
@@ -793,6 +837,55 @@ def test_key_priorities_resolved() -> None:
     assert (bulk.default_priority, bulk.max_level) == ("low", 0)
 
 
+def _rate_limit_of(rate_limit: Any) -> RateLimitSpec | None:
+    (key,) = parse({"keys": [{**KEY, "rate_limit": rate_limit}]}).keys
+    return key.rate_limit
+
+
+@pytest.mark.parametrize(
+    ("rate_limit", "expected"),
+    [
+        (None, None),
+        ({}, None),  # an empty section: its defaults, which limit nothing
+        ({"requests_per_s": 2.5}, RateLimitSpec(2.5, 3)),  # burst: one second's worth, rounded up
+        ({"requests_per_s": 0.1}, RateLimitSpec(0.1, 1)),  # ... at least one request
+        ({"requests_per_s": 5, "burst_requests": 1}, RateLimitSpec(5.0, 1)),
+        ({"tokens_per_min": 6000}, RateLimitSpec(tokens_per_min=6000, burst_tokens=6000)),
+        (
+            {"requests_per_s": 1, "tokens_per_min": 600, "burst_tokens": 50},
+            RateLimitSpec(1.0, 1, 600, 50),
+        ),
+    ],
+)
+def test_rate_limit_bursts_default_to_one_second_or_one_minute(
+    rate_limit: Any, expected: RateLimitSpec | None
+) -> None:
+    assert _rate_limit_of(rate_limit) == expected
+
+
+def test_rate_limit_gives_the_core_buckets_per_second() -> None:
+    limit = _rate_limit_of({"requests_per_s": 4, "tokens_per_min": 600, "burst_tokens": 50})
+    assert limit is not None
+    assert limit.quota() == QuotaSpec(requests=BucketSpec(4.0, 4), tokens=BucketSpec(10.0, 50))
+    only_tokens = _rate_limit_of({"tokens_per_min": 60})
+    assert only_tokens is not None
+    assert only_tokens.quota() == QuotaSpec(tokens=BucketSpec(1.0, 60))
+
+
+def test_rate_limits_render_and_load_back() -> None:
+    data = {
+        "keys": [
+            {**KEY, "rate_limit": {"requests_per_s": 0.5, "tokens_per_min": 1000}},
+            {"name": "free", "sha256": sha("free")},
+        ]
+    }
+    config = parse(data)
+    rendered = render_config(config)
+    assert "burst_requests: 1" in rendered
+    assert "burst_tokens: 1000" in rendered
+    assert parse_config(yaml.safe_load(rendered), SOURCE) == config
+
+
 def test_key_default_is_lowered_to_its_cap() -> None:
     data = {
         "priorities": {"default": "high"},
@@ -867,6 +960,8 @@ def test_pools_example_resolves() -> None:
     assert (interactive.default_level, interactive.max_level) == (0, 0)
     assert (batch.default_level, batch.max_level) == (2, 1)
     assert config.key_for("tg-example-batch-0000") == batch
+    assert interactive.rate_limit is None
+    assert batch.rate_limit == RateLimitSpec(20.0, 40, 200_000, 200_000)
 
 
 def test_upstreams_example_resolves() -> None:

@@ -22,6 +22,7 @@ from tidegate.config.values import (
     ModelSpec,
     PoolConfig,
     QueueSpec,
+    RateLimitSpec,
     TidegateConfig,
     UpstreamKey,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "ModelSpec",
     "PoolConfig",
     "QueueSpec",
+    "RateLimitSpec",
     "TidegateConfig",
     "UpstreamKey",
     "check_config",

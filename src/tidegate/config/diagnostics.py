@@ -30,6 +30,7 @@ _TYPE_HINTS: dict[str, tuple[str, str]] = {
         "quote it: YAML reads unquoted yes/no/on/off as booleans and digits as numbers",
     ),
     "bool_type": ("true or false", "write true or false"),
+    "finite_number": ("a finite number", "write a number such as 0.5 (not .inf or .nan)"),
     "list_type": ("a list", "write [a, b] or one '- item' line per item"),
     "dict_type": ("a mapping", "write 'key: value' lines indented under this key"),
     "model_type": ("a mapping", "write 'key: value' lines indented under this key"),

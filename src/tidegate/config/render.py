@@ -7,7 +7,7 @@ from typing import Any
 import yaml
 
 from tidegate.config.control import render_autoscaling, render_controller
-from tidegate.config.values import ModelSpec, TidegateConfig
+from tidegate.config.values import KeySpec, ModelSpec, TidegateConfig
 
 
 def render_config(config: TidegateConfig) -> str:
@@ -56,6 +56,7 @@ def render_config(config: TidegateConfig) -> str:
                 "default_priority": key.default_priority,
                 "max_priority": key.max_priority,
                 "role": key.role,
+                "rate_limit": _render_rate_limit(key),
             }
             for key in config.keys
         ],
@@ -126,6 +127,18 @@ def _render_outliers(config: TidegateConfig) -> dict[str, Any]:
         "base_ejection_s": outliers.base_ejection_s,
         "max_ejection_s": outliers.max_ejection_s,
         "max_ejection_percent": outliers.max_ejection_percent,
+    }
+
+
+def _render_rate_limit(key: KeySpec) -> dict[str, Any] | None:
+    limit = key.rate_limit
+    if limit is None:
+        return None
+    return {
+        "requests_per_s": limit.requests_per_s,
+        "burst_requests": limit.burst_requests,
+        "tokens_per_min": limit.tokens_per_min,
+        "burst_tokens": limit.burst_tokens,
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -22,6 +23,7 @@ from tidegate.config.schema import (
     _PoolIn,
     _PrioritiesIn,
     _QueueIn,
+    _RateLimitIn,
 )
 from tidegate.config.values import (
     _DEVICE_RE,
@@ -37,6 +39,7 @@ from tidegate.config.values import (
     ModelSpec,
     PoolConfig,
     QueueSpec,
+    RateLimitSpec,
     TidegateConfig,
     UpstreamKey,
 )
@@ -580,9 +583,39 @@ class _Resolver:
                     default_level=0 if self.fifo else self.levels.index(key_default),
                     max_level=0 if self.fifo else cap,
                     role=key_in.role,
+                    rate_limit=self._rate_limit(key_in.rate_limit, f"{key}.rate_limit"),
                 )
             )
         return tuple(keys)
+
+    def _rate_limit(self, raw: _RateLimitIn | None, key: str) -> RateLimitSpec | None:
+        """A key's quotas with their bursts filled in; None when it sets no rate."""
+        if raw is None:
+            return None
+        for rate, burst in (
+            ("requests_per_s", "burst_requests"),
+            ("tokens_per_min", "burst_tokens"),
+        ):
+            if getattr(raw, burst) is not None and getattr(raw, rate) is None:
+                self.fail(
+                    f"{key}.{burst}",
+                    f"{burst} without {rate}: a burst needs the rate that refills it",
+                    f"add {rate}, or remove {burst}",
+                )
+        if raw.requests_per_s is None and raw.tokens_per_min is None:
+            return None  # an empty rate_limit: unlimited, as with none
+        burst_requests = raw.burst_requests
+        if raw.requests_per_s is not None and burst_requests is None:
+            burst_requests = max(1, math.ceil(raw.requests_per_s))  # one second's worth
+        burst_tokens = raw.burst_tokens
+        if raw.tokens_per_min is not None and burst_tokens is None:
+            burst_tokens = raw.tokens_per_min  # one minute's worth
+        return RateLimitSpec(
+            requests_per_s=raw.requests_per_s,
+            burst_requests=burst_requests,
+            tokens_per_min=raw.tokens_per_min,
+            burst_tokens=burst_tokens,
+        )
 
     # ---------------------------------------------------------------- access
     def _outliers(self, raw: _OutlierIn | None) -> OutlierConfig:

@@ -168,12 +168,22 @@ class _ModelIn(_Strict):
     autoscaling: _AutoscalingIn | None = None
 
 
+class _RateLimitIn(_Strict):
+    """A key's quotas (core.quota); a rate left out (or null) is unlimited."""
+
+    requests_per_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    burst_requests: PositiveInt | None = None  # None: one second's worth, at least 1
+    tokens_per_min: PositiveInt | None = None  # estimated tokens: prompt + most output
+    burst_tokens: PositiveInt | None = None  # None: one minute's worth
+
+
 class _KeyIn(_Strict):
     name: Name
     sha256: str
     default_priority: str | None = None
     max_priority: str | None = None
     role: Literal["admin", "user"] = "user"
+    rate_limit: _RateLimitIn | None = None
 
 
 class _ConfigIn(_Strict):

@@ -16,6 +16,7 @@ from tidegate.core.batching import BatchConfig
 from tidegate.core.outliers import OutlierConfig
 from tidegate.core.placement import Device
 from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
+from tidegate.core.quota import BucketSpec, QuotaSpec
 from tidegate.core.routing import PoolSpec
 
 if TYPE_CHECKING:
@@ -138,6 +139,25 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RateLimitSpec:
+    """A key's quotas as configured, bursts filled in; a rate of None is unlimited."""
+
+    requests_per_s: float | None = None
+    burst_requests: int | None = None  # set whenever requests_per_s is
+    tokens_per_min: int | None = None  # estimated tokens (forward.estimate_tokens)
+    burst_tokens: int | None = None  # set whenever tokens_per_min is
+
+    def quota(self) -> QuotaSpec:
+        """The buckets core.quota takes from."""
+        requests = tokens = None
+        if self.requests_per_s is not None and self.burst_requests is not None:
+            requests = BucketSpec(self.requests_per_s, self.burst_requests)
+        if self.tokens_per_min is not None and self.burst_tokens is not None:
+            tokens = BucketSpec(self.tokens_per_min / 60.0, self.burst_tokens)
+        return QuotaSpec(requests=requests, tokens=tokens)
+
+
+@dataclass(frozen=True, slots=True)
 class KeySpec:
     name: str
     sha256: str  # lower-case hex digest of the key
@@ -146,6 +166,7 @@ class KeySpec:
     default_level: int  # level indices as the queue sees them (all 0 under fifo)
     max_level: int
     role: str = "user"  # "admin": may call /admin/* (and /metrics when restricted to admins)
+    rate_limit: RateLimitSpec | None = None  # None: no quota
 
     @property
     def admin(self) -> bool:
