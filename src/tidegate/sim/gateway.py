@@ -14,7 +14,10 @@ Mirrors ``tidegate.gateway.dispatcher`` step by step, with the kernel's clock:
   can take (its own level or one it has aged to), route it with ``pick_replica`` (its own
   level's pools first, else those of a level it has aged to); a replica holds at most
   ``slots``;
-- release: a finished request frees its slot and feeds the queue's ``DrainRate``.
+- release: a finished request frees its slot and feeds the queue's ``DrainRate``;
+- prefix affinity (``affinity`` set, ``core.prefix``): ``pick_replica`` gets the ticket's
+  ``prefix_key`` (the leading blocks of its prompt), as the dispatcher passes the key the
+  gateway computed from the request.
 
 One difference of form, not of decision: where several slots are free, the requests are
 popped together (``pop(n)``) when ``n`` successive single pops could not see a different
@@ -29,6 +32,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from tidegate.core.prefix import PrefixAffinity
 from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
 from tidegate.core.request import Request
 from tidegate.core.routing import PoolSpec, ReplicaView, pick_replica, servable_levels
@@ -40,20 +44,32 @@ class Ticket:
     """One request on its way through the simulated stack."""
 
     __slots__ = (
+        "blocks",
         "dispatched_at",
         "first_at",
         "klass",
         "output_tokens",
+        "prefix_key",
         "prompt_tokens",
         "replica",
         "request",
     )
 
-    def __init__(self, request: Request, klass: int, prompt_tokens: int, output_tokens: int):
+    def __init__(
+        self,
+        request: Request,
+        klass: int,
+        prompt_tokens: int,
+        output_tokens: int,
+        blocks: tuple[int, ...] = (),
+        prefix_key: int | None = None,
+    ):
         self.request = request  # as the gateway's queue knows it
         self.klass = klass  # index of its priority class in the recorder
         self.prompt_tokens = prompt_tokens
         self.output_tokens = output_tokens
+        self.blocks = blocks  # prefix-block ids of the prompt (a worker's prefix cache)
+        self.prefix_key = prefix_key  # what prefix-affinity routing hashes; None: none
         self.dispatched_at = 0.0
         self.first_at = -1.0  # generation: when the first token came back
         self.replica: str = ""
@@ -80,8 +96,10 @@ class SimGateway:
         pools: Mapping[str, PoolSpec],
         replicas: Replicas,
         recorder: Recorder,
+        affinity: PrefixAffinity | None = None,
     ) -> None:
         self.kernel = kernel
+        self.affinity = affinity  # prefix-affinity routing; None: least loaded
         self.queue = WaitQueue(queue)
         self.pools = pools
         self.replicas = replicas
@@ -187,6 +205,7 @@ class SimGateway:
         tickets = self.tickets
         occupy = self.replicas.occupy
         choices = self._choices
+        affinity = self.affinity
         while len(queue):
             levels = servable_levels(views.values(), pools)
             if not levels:
@@ -200,15 +219,17 @@ class SimGateway:
             for request in popped:
                 # Its aged level matters only where its own has no free slot (core.routing).
                 aged = None if request.priority in levels else queue.aged_level(request, now)
+                ticket = tickets.pop(request.id)
                 view = pick_replica(
                     views.values(),
                     request.priority,
                     pools,
                     aged_level=aged,
                     choice_key=next(choices),
+                    prefix_key=ticket.prefix_key,
+                    affinity=affinity,
                 )
                 assert view is not None  # a servable level has an eligible replica
-                ticket = tickets.pop(request.id)
                 ticket.dispatched_at = now
                 ticket.replica = view.id
                 occupy(view.id, ticket)

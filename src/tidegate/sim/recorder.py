@@ -12,7 +12,7 @@ interval that doubles (dropping every other sample) whenever the series grows pa
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 OUTCOMES = (
@@ -114,6 +114,13 @@ class Recorder:
         self.sample_interval_s = FIRST_SAMPLE_INTERVAL_S
         self.first_arrival_at: float | None = None
         self.last_done_at = 0.0
+        # generation: seconds each replica's engine ran steps (its busy time)
+        self.busy_s: defaultdict[str, float] = defaultdict(float)
+        # generation: seconds of steps that prefilled joining sequences (the scarce part)
+        self.prefill_s: defaultdict[str, float] = defaultdict(float)
+        # a simulated prefix cache: prompt blocks prefilled, and of them the cached ones
+        self.cache_blocks = 0
+        self.cache_hit_blocks = 0
 
     def class_index(self, name: str) -> int:
         for index, stats in enumerate(self.classes):

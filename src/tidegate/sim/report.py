@@ -10,7 +10,10 @@ class's TTFT SLO, over *all* its requests: a refused request is a miss) and good
 ``stranded``: still queued when the run ended, see ``sim.run``). Overall: throughput,
 output tokens/s, the batch-size distribution (generation: running sequences per engine
 step), replica-hours and GPU-hours (replica-hours x GPUs per replica), the queue depth
-over time, and ``stopped``: why requests were left queued, or null.
+over time, and ``stopped``: why requests were left queued, or null. With a simulated prefix
+cache (``Scenario.prefix_cache``), ``overall.prefix_cache``: prompt blocks prefilled, of them
+cached, the hit rate, and the replicas' shares of the span busy (engine running any step)
+and prefilling (steps in which sequences joined): the mean and the max over replicas.
 
 ``warnings`` (in the report, report.md and the terminal table) say where a comparison
 shows less than it seems: every request at one priority level (priority and fifo then
@@ -70,27 +73,30 @@ def run_summary(result: RunResult) -> dict[str, Any]:
     batches = sum(recorder.batch_sizes.values())
     weighted = sum(size * count for size, count in recorder.batch_sizes.items())
     scenario = result.scenario
+    overall: dict[str, Any] = {
+        "requests": result.num_requests,
+        "completed": completed,
+        "span_s": _r(span_s),
+        "throughput_per_s": _r(completed / span_s if span_s > 0 else None, 4),
+        "output_tokens_per_s": _r(tokens / span_s if span_s > 0 else None, 2),
+        "batches": batches,
+        "mean_batch_size": _r(weighted / batches if batches else None, 3),
+        "batch_sizes": {
+            str(size): recorder.batch_sizes[size] for size in sorted(recorder.batch_sizes)
+        },
+        "replica_hours": _r(result.replica_seconds / 3600.0, 4),
+        "gpu_hours": _r(result.replica_seconds / 3600.0 * scenario.service.gpus_per_replica, 4),
+        "max_queued": max((sample[1] for sample in recorder.samples), default=0),
+    }
+    if scenario.prefix_cache is not None:
+        overall["prefix_cache"] = prefix_cache_summary(result, span_s)
     return {
         "policy": result.label,
         "gateway_policy": scenario.config.policy,
         "controller": scenario.controller,
         "stopped": result.stopped,
         "classes": {stats.name: _class_summary(stats, span_s) for stats in recorder.classes},
-        "overall": {
-            "requests": result.num_requests,
-            "completed": completed,
-            "span_s": _r(span_s),
-            "throughput_per_s": _r(completed / span_s if span_s > 0 else None, 4),
-            "output_tokens_per_s": _r(tokens / span_s if span_s > 0 else None, 2),
-            "batches": batches,
-            "mean_batch_size": _r(weighted / batches if batches else None, 3),
-            "batch_sizes": {
-                str(size): recorder.batch_sizes[size] for size in sorted(recorder.batch_sizes)
-            },
-            "replica_hours": _r(result.replica_seconds / 3600.0, 4),
-            "gpu_hours": _r(result.replica_seconds / 3600.0 * scenario.service.gpus_per_replica, 4),
-            "max_queued": max((sample[1] for sample in recorder.samples), default=0),
-        },
+        "overall": overall,
         "queue_depth": {
             "columns": ["at_s", "queued", "in_flight", "ready_replicas"],
             "interval_s": recorder.sample_interval_s,
@@ -99,6 +105,24 @@ def run_summary(result: RunResult) -> dict[str, Any]:
             ],
         },
     }
+
+
+def prefix_cache_summary(result: RunResult, span_s: float) -> dict[str, Any]:
+    """Blocks prefilled and cached, and the replicas' busy shares (module docstring)."""
+    recorder = result.recorder
+    blocks = recorder.cache_blocks
+    num = sum(result.scenario.replicas.values())
+    summary: dict[str, Any] = {
+        "blocks": blocks,
+        "hit_blocks": recorder.cache_hit_blocks,
+        "hit_rate": _r(recorder.cache_hit_blocks / blocks if blocks else None, 4),
+    }
+    for name, seconds in (("busy", recorder.busy_s), ("prefill", recorder.prefill_s)):
+        shares = [value / span_s for value in seconds.values()] if span_s > 0 else []
+        count = max(num, len(shares))
+        summary[f"{name}_mean"] = _r(sum(shares) / count if count else None, 4)
+        summary[f"{name}_max"] = _r(max(shares, default=0.0), 4)
+    return summary
 
 
 def build_report(results: Sequence[RunResult], workload: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from tidegate.config import TidegateConfig
+from tidegate.core.prefix import DEFAULT_NUM_BLOCKS, PrefixAffinity, block_key
 from tidegate.core.request import Request
 from tidegate.core.routing import servable_levels
 from tidegate.sim.control import (
@@ -48,6 +49,7 @@ from tidegate.sim.control import (
 from tidegate.sim.fleet import Fleet, Lifecycle
 from tidegate.sim.gateway import SimGateway, Ticket
 from tidegate.sim.kernel import Kernel
+from tidegate.sim.prefix_cache import PrefixCache
 from tidegate.sim.recorder import Recorder
 from tidegate.sim.service import ServiceModel
 from tidegate.sim.workers import BatchWorker, SequenceWorker, Worker
@@ -78,6 +80,9 @@ class Scenario:
     speedup: float = 1.0  # the workload's time compression: controllers compress with it
     keep_requests: bool = False
     max_stall_s: float | None = None  # None: DEFAULT_MAX_STALL_S / speedup (module docstring)
+    affinity: PrefixAffinity | None = None  # prefix-affinity routing (core.prefix); None: off
+    prefix_blocks: int = DEFAULT_NUM_BLOCKS  # leading prompt blocks hashed into a prefix key
+    prefix_cache: PrefixCache | None = None  # generation: each replica's LRU of prompt blocks
 
     @property
     def name(self) -> str:
@@ -150,7 +155,9 @@ class Simulation:
         )
         queue = config.queue_config(spec.name)
         pools = config.pool_specs()
-        self.gateway = SimGateway(self.kernel, queue, pools, self.fleet, self.recorder)
+        self.gateway = SimGateway(
+            self.kernel, queue, pools, self.fleet, self.recorder, scenario.affinity
+        )
         context = ControllerContext(
             config, spec.name, scenario.replicas, scenario.start_wall_s, scenario.speedup
         )
@@ -201,6 +208,7 @@ class Simulation:
             self._worker_queue,
             self,
             self.recorder,
+            self.scenario.prefix_cache,
         )
 
     # ------------------------------------------------------------------ run
@@ -270,7 +278,11 @@ class Simulation:
         prompt = arrival.prompt_tokens
         output = arrival.output_tokens
         request = Request(str(index), self._model, level, now, None, prompt + output)
-        self.gateway.submit(Ticket(request, klass, prompt, output))
+        blocks = arrival.blocks
+        key = None
+        if blocks and self.scenario.affinity is not None:
+            key = block_key(blocks, self.scenario.prefix_blocks)
+        self.gateway.submit(Ticket(request, klass, prompt, output, blocks, key))
 
     def _active(self) -> bool:
         if not self._arrivals_done or self.fleet.in_flight > 0 or self.fleet.transitioning():

@@ -63,8 +63,9 @@ _AZURE_FIX = "expected TIMESTAMP,ContextTokens,GeneratedTokens rows (see traces/
 
 
 def read_mooncake(path: str | Path, seed: int = 0) -> Iterator[Arrival]:
+    """Each request with its ``hash_ids`` as ``Arrival.blocks`` (prefix blocks, 512 tokens)."""
     rng = random.Random(f"{seed}:mooncake")
-    bucket: list[tuple[int, int]] = []
+    bucket: list[_Row] = []
     bucket_ms: int | None = None
     with open(path) as file:
         for number, line in enumerate(file, start=1):
@@ -73,7 +74,8 @@ def read_mooncake(path: str | Path, seed: int = 0) -> Iterator[Arrival]:
             try:
                 row = json.loads(line)
                 stamp = int(row["timestamp"])
-                pair = (int(row["input_length"]), int(row["output_length"]))
+                blocks = tuple(int(block) for block in row.get("hash_ids", ()))
+                entry = (int(row["input_length"]), int(row["output_length"]), blocks)
             except (ValueError, KeyError, TypeError) as exc:
                 raise ConfigError(
                     str(path),
@@ -85,18 +87,21 @@ def read_mooncake(path: str | Path, seed: int = 0) -> Iterator[Arrival]:
                 yield from _spread(bucket, bucket_ms, stamp, rng)
                 bucket = []
             bucket_ms = stamp
-            bucket.append(pair)
+            bucket.append(entry)
     if bucket_ms is not None:
         yield from _spread(bucket, bucket_ms, bucket_ms + 3000, rng)
 
 
+_Row = tuple[int, int, tuple[int, ...]]  # prompt tokens, output tokens, prefix blocks
+
+
 def _spread(
-    bucket: list[tuple[int, int]], start_ms: int, end_ms: int, rng: random.Random
+    bucket: list[_Row], start_ms: int, end_ms: int, rng: random.Random
 ) -> Iterator[Arrival]:
     width_s = max(0.0, (end_ms - start_ms) / 1e3)
     times = sorted(start_ms / 1e3 + rng.random() * width_s for _ in bucket)
-    for at, (prompt, output) in zip(times, bucket, strict=True):
-        yield Arrival(at, prompt, output)
+    for at, (prompt, output, blocks) in zip(times, bucket, strict=True):
+        yield Arrival(at, prompt, output, blocks=blocks)
 
 
 def read_own(path: str | Path) -> Iterator[Arrival]:

@@ -10,7 +10,9 @@
   in the queue until one of ``max_num_seqs`` slots is free, most urgent first; the engine
   runs iterations: each step every running sequence makes one token and the sequences that
   joined since the last step are prefilled; a finished sequence leaves at the end of its
-  step and frees its slot at once.
+  step and frees its slot at once. With a ``PrefixCache`` (``sim.prefix_cache``) each
+  replica keeps an LRU of prompt blocks: a joining sequence's cached leading blocks are not
+  prefilled again (fewer prefill tokens for the step, and no ``prefill_s_per_block``).
 
 The engine is not stepped token by token: between two changes of its running set every
 step lasts the same, so one event covers a whole run of steps, up to the first sequence to
@@ -27,6 +29,7 @@ from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
 from tidegate.core.request import Request
 from tidegate.sim.gateway import Ticket
 from tidegate.sim.kernel import Kernel
+from tidegate.sim.prefix_cache import BlockLRU, PrefixCache
 from tidegate.sim.recorder import Recorder
 from tidegate.sim.service import BatchService, StepService
 
@@ -168,10 +171,13 @@ class SequenceWorker(_LocalQueue):
         queue: QueueConfig,
         sink: Sink,
         recorder: Recorder,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         super().__init__(kernel, replica_id, model, queue, sink, recorder)
         self.service = service
         self.max_num_seqs = max_num_seqs
+        self.prefix_cache = prefix_cache
+        self.cached = BlockLRU(prefix_cache.capacity_blocks) if prefix_cache else None
         self.num_running = 0  # slots granted: joining + prefilling + decoding
         self.joining: list[Ticket] = []  # granted; enter the engine at the next step
         self.prefilling: list[Ticket] = []  # prefilled by the current step
@@ -219,13 +225,37 @@ class SequenceWorker(_LocalQueue):
         if not joiners and not num_decode:
             self.boundary_at = None
             return
-        tokens = 0
-        for ticket in joiners:
-            tokens += ticket.prompt_tokens
+        extra_s = 0.0
+        if self.prefix_cache is None:
+            tokens = 0
+            for ticket in joiners:
+                tokens += ticket.prompt_tokens
+        else:
+            tokens, extra_s = self._prefill_cost(joiners)
         self.run_at = now
-        self.step_s = self.service.step_s(num_decode, len(joiners), tokens)
+        self.step_s = self.service.step_s(num_decode, len(joiners), tokens) + extra_s
+        if joiners:
+            self.recorder.prefill_s[self.replica_id] += self.step_s
         steps = 1 if joiners else self.decoding[0][0] - self.step_index
         self._schedule(now + steps * self.step_s, self.step_index + steps)
+
+    def _prefill_cost(self, joiners: list[Ticket]) -> tuple[int, float]:
+        """Prompt tokens to compute and the extra seconds, after this replica's cache."""
+        spec = self.prefix_cache
+        cached = self.cached
+        assert spec is not None
+        assert cached is not None
+        recorder = self.recorder
+        tokens = 0
+        uncached = 0
+        for ticket in joiners:
+            blocks = ticket.blocks
+            hits = cached.admit(blocks) if blocks else 0
+            recorder.cache_blocks += len(blocks)
+            recorder.cache_hit_blocks += hits
+            uncached += len(blocks) - hits
+            tokens += max(1, ticket.prompt_tokens - hits * spec.block_tokens)
+        return tokens, uncached * spec.prefill_s_per_block
 
     def _schedule(self, at: float, step: int) -> None:
         self._version += 1
@@ -238,9 +268,9 @@ class SequenceWorker(_LocalQueue):
             return
         now = self.kernel.time
         step = self.boundary_step
-        self.recorder.batch_sizes[len(self.decoding) + len(self.prefilling)] += (
-            step - self.step_index
-        )
+        recorder = self.recorder
+        recorder.batch_sizes[len(self.decoding) + len(self.prefilling)] += step - self.step_index
+        recorder.busy_s[self.replica_id] += now - self.run_at
         self.step_index = step
         done: list[Ticket] = []
         for ticket in self.prefilling:

@@ -34,6 +34,7 @@ class Arrival:
     output_tokens: int  # 0 for embeddings
     priority: str | None = None  # a level name, when the source says
     tenant: str = ""
+    blocks: tuple[int, ...] = ()  # the prompt's prefix-block ids, when the trace has them
 
 
 class Workload(Protocol):
@@ -86,7 +87,12 @@ class TraceWorkload:
             if keep < 1.0 and thin.random() >= keep:
                 continue
             yield Arrival(
-                a.arrival_s / divide, a.prompt_tokens, a.output_tokens, a.priority, a.tenant
+                a.arrival_s / divide,
+                a.prompt_tokens,
+                a.output_tokens,
+                a.priority,
+                a.tenant,
+                a.blocks,
             )
 
 
@@ -215,7 +221,7 @@ class Prioritized:
         for a in self.inner:
             if a.priority is None:
                 name = self._pick(a, draw, cumulative)
-                a = Arrival(a.arrival_s, a.prompt_tokens, a.output_tokens, name, a.tenant)
+                a = Arrival(a.arrival_s, a.prompt_tokens, a.output_tokens, name, a.tenant, a.blocks)
             yield a
 
     def _pick(
