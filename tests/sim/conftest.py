@@ -63,3 +63,30 @@ def run_records(
     result = Simulation(scenario).run()
     assert result.recorder.requests is not None
     return {record.id: record for record in result.recorder.requests}
+
+
+def autoscaled_data(**autoscaling: Any) -> dict[str, Any]:
+    """One embeddings model ``m`` of 4 slots in pool ``shared``, autoscaled 1..6 every 1 s
+    on 4 per replica (``autoscaling`` overrides its keys)."""
+    return {
+        "pools": {"shared": {"priorities": ["high", "medium", "low"], "devices": ["cpu"]}},
+        "models": [
+            {
+                "name": "m",
+                "task": "embeddings",
+                "engine": "simulated",
+                "pools": ["shared"],
+                "slots": 4,
+                "batching": {"max_batch_size": 4, "batch_window_ms": 0},
+                "queue": {"max_size": 100000},
+                "autoscaling": {
+                    "min_replicas": 1,
+                    "max_replicas": 6,
+                    "target_per_replica": 4,
+                    "interval_s": 1,
+                    "stable_window_s": 0,
+                    **autoscaling,
+                },
+            }
+        ],
+    }

@@ -14,34 +14,9 @@ from tidegate.sim.fleet import Lifecycle
 from tidegate.sim.run import RunResult, Scenario, Simulation
 from tidegate.sim.workload import Arrival, Listed
 
-from .conftest import config_of, flat_batch_service
+from .conftest import autoscaled_data, config_of, flat_batch_service
 
 LIFECYCLE = Lifecycle(cold_start_s=5.0, warmup_s=1.0, drain_timeout_s=5.0)
-
-
-def _data(**autoscaling: Any) -> dict[str, Any]:
-    return {
-        "pools": {"shared": {"priorities": ["high", "medium", "low"], "devices": ["cpu"]}},
-        "models": [
-            {
-                "name": "m",
-                "task": "embeddings",
-                "engine": "simulated",
-                "pools": ["shared"],
-                "slots": 4,
-                "batching": {"max_batch_size": 4, "batch_window_ms": 0},
-                "queue": {"max_size": 100000},
-                "autoscaling": {
-                    "min_replicas": 1,
-                    "max_replicas": 6,
-                    "target_per_replica": 4,
-                    "interval_s": 1,
-                    "stable_window_s": 0,
-                    **autoscaling,
-                },
-            }
-        ],
-    }
 
 
 def _burst() -> Listed:
@@ -59,7 +34,7 @@ def _burst() -> Listed:
 
 def _run(controller: str, **autoscaling: Any) -> tuple[RunResult, Simulation]:
     scenario = Scenario(
-        config_of(_data(**autoscaling)),
+        config_of(autoscaled_data(**autoscaling)),
         "m",
         flat_batch_service(100.0),
         _burst(),
@@ -139,7 +114,7 @@ def test_a_schedule_opens_early_by_the_cold_start_in_wall_time(speedup: float) -
     # Virtual time 0 is Monday 07:50 UTC; a weekday floor of 3 from 08:00 with a 5-minute
     # cold start opens at 07:55, i.e. 300 s of the day (300 / speedup virtual seconds) in.
     start = datetime(2026, 11, 30, 7, 50, tzinfo=UTC).timestamp()
-    data = _data(
+    data = autoscaled_data(
         schedules=[{"days": "weekdays", "from": "08:00", "to": "18:00", "min_replicas": 3}],
         cold_start_s=300,
         interval_s=15,

@@ -4,6 +4,8 @@
 - ``gateway`` / ``workers`` / ``fleet``: the server's dispatcher, worker loops and replica
   lifecycle, driving ``WaitQueue``, ``plan_batch`` and ``pick_replica`` on the virtual clock;
 - ``control``: the controller seam (``Controller``, ``FleetView``, ``StaticController``);
+  ``autoscale``: the server's autoscaler and its baselines on it; ``oracle``: the limit
+  (knows the coming arrivals, starts replicas with no cold start);
 - ``service``: engine service times from a profile or the A100/H100 ``perf_model.csv``;
 - ``workload`` / ``traces`` / ``synthetic`` / ``specs``: arrivals from traces and generators;
 - ``run``: one run of a ``Scenario``; ``recorder`` / ``report`` / ``plot``: what it observed;

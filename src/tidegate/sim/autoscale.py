@@ -42,19 +42,16 @@ from tidegate.core.autoscale import (
     decide_scale,
 )
 from tidegate.core.forecast import SeasonalHistory, forecast_floor, record_hour
-from tidegate.core.placement import Placement, VictimCandidate, pick_victims
-from tidegate.gateway.replicas import ReplicaState
 from tidegate.sim.control import (
     CONTROLLERS,
+    COUNTED,
     ControllerContext,
-    DrainReplica,
     FleetAction,
     FleetView,
     StartReplica,
     StaticController,
+    drain_least_busy,
 )
-
-_COUNTED = (ReplicaState.STARTING, ReplicaState.WARMING, ReplicaState.READY)
 
 
 class CoreAutoscaler:
@@ -73,7 +70,7 @@ class CoreAutoscaler:
         self._zone = ZoneInfo(config.timezone)
 
     def decide(self, view: FleetView) -> Sequence[FleetAction]:
-        counted = [r for r in view.replicas if r.state in _COUNTED]
+        counted = [r for r in view.replicas if r.state in COUNTED]
         wall_s = self.start_wall_s + view.now * self.speedup
         local = datetime.fromtimestamp(wall_s, UTC).astimezone(self._zone)
         forecast = (
@@ -97,10 +94,7 @@ class CoreAutoscaler:
         self.decisions.append(decision)
         if delta > 0:
             return [StartReplica(self.pool)] * delta
-        candidates = [
-            VictimCandidate(r.id, r.in_flight, r.started_at) for r in counted if r.pool == self.pool
-        ]
-        return [DrainReplica(rid) for rid in pick_victims(candidates, -delta, Placement())]
+        return drain_least_busy(view, self.pool, -delta)
 
 
 def compress(config: AutoscaleConfig, speedup: float) -> AutoscaleConfig:

@@ -4,7 +4,7 @@ The configuration comes from ``tidegate.config.load_config``, the loader of ``ti
 serve``; a policy of ``--compare`` is applied the way ``serve --policy`` applies it (a
 gateway override before validation), so ``fifo`` here is exactly the server's fifo. A name
 of ``--compare`` that is not a gateway policy is a controller of ``control.CONTROLLERS``
-(``static`` now; autoscalers register there).
+(``static``, the autoscalers of ``sim.autoscale`` and the ``oracle`` of ``sim.oracle``).
 
 Task and model: the profile's task when ``--profile`` is given, else ``generate`` when the
 workload's first request has output tokens and ``embeddings`` otherwise; the model is the
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tidegate.config import TidegateConfig, load_config
-from tidegate.sim import autoscale  # noqa: F401  (registers the autoscaling controllers)
+from tidegate.sim import autoscale, oracle  # noqa: F401  (register their controllers)
 from tidegate.sim.control import CONTROLLERS
 from tidegate.sim.fleet import Lifecycle
 from tidegate.sim.report import build_report, dumps, markdown

@@ -11,19 +11,28 @@ replica, the seed metric ``inference_queue_depth``; None when no replica is read
 signal means hold, never zero).
 
 ``StaticController`` keeps a fixed count per pool. Autoscalers plug in by registering a
-factory in ``CONTROLLERS``; the kernel does not change.
+factory in ``CONTROLLERS``; the kernel does not change. A controller that knows the future
+(``sim.oracle``) reads the run's workload and service model from its ``ControllerContext``,
+and only it starts replicas ``warm`` (ready at once, no cold start).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tidegate.config import TidegateConfig
+from tidegate.core.placement import Placement, VictimCandidate, pick_victims
 from tidegate.gateway.replicas import ReplicaState
 
+if TYPE_CHECKING:
+    from tidegate.sim.service import ServiceModel
+    from tidegate.sim.workload import Workload
+
 DEFAULT_INTERVAL_S = 15.0
+# The states a controller maintains a count of (draining replicas are on their way out).
+COUNTED = (ReplicaState.STARTING, ReplicaState.WARMING, ReplicaState.READY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +69,7 @@ class FleetView:
 @dataclass(frozen=True, slots=True)
 class StartReplica:
     pool: str
+    warm: bool = False  # ready at once, no cold start: an oracle's replica, never a real one
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +95,8 @@ class ControllerContext:
     replicas: Mapping[str, int]  # pool -> replicas ready at time 0
     start_wall_s: float = 0.0  # wall-clock epoch seconds of virtual time 0 (schedules)
     speedup: float = 1.0  # a virtual second stands for this many seconds of the real day
+    workload: Workload | None = None  # the run's arrivals: the future, for an oracle only
+    service: ServiceModel | None = None  # the replicas' engine cost model
 
 
 class StaticController:
@@ -96,10 +108,19 @@ class StaticController:
 
     def decide(self, view: FleetView) -> Sequence[FleetAction]:
         actions: list[FleetAction] = []
-        alive = (ReplicaState.STARTING, ReplicaState.WARMING, ReplicaState.READY)
         for pool, wanted in self.replicas.items():
-            actions += [StartReplica(pool)] * max(0, wanted - view.count(pool, *alive))
+            actions += [StartReplica(pool)] * max(0, wanted - view.count(pool, *COUNTED))
         return actions
+
+
+def drain_least_busy(view: FleetView, pool: str, count: int) -> list[FleetAction]:
+    """Drain ``count`` of the pool's counted replicas, least busy first (``pick_victims``)."""
+    candidates = [
+        VictimCandidate(r.id, r.in_flight, r.started_at)
+        for r in view.replicas
+        if r.pool == pool and r.state in COUNTED
+    ]
+    return [DrainReplica(rid) for rid in pick_victims(candidates, count, Placement())]
 
 
 ControllerFactory = Callable[[ControllerContext], Controller]

@@ -159,7 +159,13 @@ class Simulation:
             self.kernel, queue, pools, self.fleet, self.recorder, scenario.affinity
         )
         context = ControllerContext(
-            config, spec.name, scenario.replicas, scenario.start_wall_s, scenario.speedup
+            config,
+            spec.name,
+            scenario.replicas,
+            scenario.start_wall_s,
+            scenario.speedup,
+            scenario.workload,
+            scenario.service,
         )
         self.controller: Controller = CONTROLLERS[scenario.controller](context)
         self._tick_pending = False
@@ -359,7 +365,7 @@ class Simulation:
     def _apply_decision(self) -> None:
         for action in self.controller.decide(self._view()):
             if isinstance(action, StartReplica):
-                self.fleet.add(action.pool)
+                self.fleet.add(action.pool, warm=action.warm)
             else:
                 self.fleet.drain(action.replica_id)
 
