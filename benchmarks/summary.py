@@ -33,6 +33,7 @@ BENCHMARKS = (
     "bench_sim",
     "bench_sim_fidelity",
     "bench_autoscale",
+    "bench_prefix",
 )
 VERDICTS = ("PASS", "MISS", "ERROR")
 
