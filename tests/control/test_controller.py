@@ -8,6 +8,7 @@ checked step by step.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -304,14 +305,14 @@ def test_the_off_peak_window_may_cross_midnight(hour: int, inside: bool) -> None
     assert controller.in_offpeak_window() is inside
 
 
-def test_orchestrator_ray_in_the_config_runs_replicas_as_ray_actors() -> None:
-    from tidegate.control.fleet import ConfiguredFleet
-    from tidegate.control.ray import RayWorkers
+def _ray_gateway(*, devices: list[dict[str, Any]] | None = None, **model: Any) -> Gateway:
+    """``build_gateway`` of a Ray configuration: nothing runs, no Ray contacted yet."""
     from tidegate.gateway.serve import build_gateway
 
     config = parse_config(
         {
             "controller": {"orchestrator": "ray", "ray_address": "127.0.0.1:6379"},
+            "devices": devices or [],
             "models": [
                 {
                     "name": "m",
@@ -319,15 +320,93 @@ def test_orchestrator_ray_in_the_config_runs_replicas_as_ray_actors() -> None:
                     "engine": "simulated",
                     "replicas": 2,
                     "autoscaling": {"max_replicas": 4, "target_per_replica": 8},
+                    **model,
                 }
             ],
         },
         "<test>",
     )
-    gateway, orchestrators = build_gateway(config)
+    gateway, _ = build_gateway(config)
+    return gateway
+
+
+def test_orchestrator_ray_in_the_config_runs_replicas_as_ray_actors() -> None:
+    from tidegate.control.fleet import ConfiguredFleet
+    from tidegate.control.ray import RayWorkers
+
+    gateway = _ray_gateway()
     assert isinstance(gateway.controller, Controller)
     assert isinstance(gateway.controller.orchestrator, RayWorkers)
     assert gateway.controller.orchestrator.address == "127.0.0.1:6379"
-    fleet = next(o for o in orchestrators if isinstance(o, ConfiguredFleet))
+    fleet = next(o for o in gateway.orchestrators if isinstance(o, ConfiguredFleet))
     assert [s.replica_id for s in fleet.specs()] == ["m-shared-0", "m-shared-1"]
     assert gateway.replicas["m"] == []  # nothing runs before start(): no Ray contacted
+
+
+class PlacingOrchestrator(FakeOrchestrator):
+    """Every placement waits for ``placed`` (a Ray cluster placing one replica after another)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.placed = asyncio.Event()
+        self.asked: list[str] = []  # replica ids, as start_replica is called
+
+    async def start_replica(
+        self, spec: ReplicaSpec, on_change: Callable[[Replica], None]
+    ) -> Replica:
+        self.asked.append(spec.replica_id)
+        await self.placed.wait()
+        return await super().start_replica(spec, on_change)
+
+
+@pytest.mark.asyncio
+async def test_with_ray_the_controller_decides_only_after_the_configured_replicas_started() -> None:
+    from tidegate.control.fleet import ConfiguredFleet
+
+    gateway = _ray_gateway()
+    controller = gateway.controller
+    assert controller is not None
+    (fleet,) = [o for o in gateway.orchestrators if isinstance(o, ConfiguredFleet)]
+    orchestrator = PlacingOrchestrator()
+    controller.orchestrator = fleet.orchestrator = orchestrator
+    await controller.start()
+    starting = asyncio.create_task(fleet.start())
+    try:
+        for _ in range(20):  # every task runs until it waits: the fleet on its placement
+            await asyncio.sleep(0)
+        # Deciding now would see no replica and start one more: "m-shared-0" a second time.
+        assert orchestrator.asked == ["m-shared-0"]
+        assert controller.models["m"].decisions == deque()
+        orchestrator.placed.set()
+        await asyncio.wait_for(starting, 5)
+        async with asyncio.timeout(5):
+            while not controller.models["m"].decisions:  # noqa: ASYNC110 (its loop's first tick)
+                await asyncio.sleep(0.01)
+    finally:
+        await controller.stop()
+    assert controller.models["m"].decisions[0].current_replicas == 2
+    assert orchestrator.asked == ["m-shared-0", "m-shared-1"]
+
+
+@pytest.mark.asyncio
+async def test_with_ray_placement_is_rays_not_the_local_or_declared_inventory() -> None:
+    # One declared 1000 MB device would hold two 400 MB replicas; Ray's cluster may hold more.
+    gateway = _ray_gateway(devices=[{"id": "gpu-a", "memory_mb": 1000}], memory_mb=400)
+    controller = gateway.controller
+    assert controller is not None
+    assert controller.devices == ()
+    orchestrator = FakeOrchestrator()
+    controller.orchestrator = orchestrator
+    for rid in ("m-shared-0", "m-shared-1"):  # the configured two, ready
+        replica = await orchestrator.start_replica(
+            ReplicaSpec(rid, "m", "shared", gateway.config.worker_settings("m")), lambda r: None
+        )
+        gateway.add_replica(replica)
+        replica.set_state(ReplicaState.READY, "ready")
+    orchestrator.started.clear()
+    for i in range(24):  # demand 24 on 2 ready replicas: 1.5x the target of 8 each
+        gateway.dispatchers["m"].submit(_request(f"r{i}", 0.0))
+    decision = await controller.tick("m")
+    assert (decision.current_replicas, decision.desired_replicas) == (2, 3)
+    assert [spec.replica_id for spec in orchestrator.started] == ["m-shared-2"]
+    assert controller.models["m"].refused == ""

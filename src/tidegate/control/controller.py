@@ -42,6 +42,7 @@ import httpx
 from tidegate.clock import SYSTEM_CLOCK, Clock
 from tidegate.config import TidegateConfig
 from tidegate.config.values import ModelSpec
+from tidegate.control.fleet import ConfiguredFleet
 from tidegate.control.inventory import memory_fraction, nvml_devices
 from tidegate.control.local import resolve_devices
 from tidegate.control.orchestrator import Orchestrator, ReplicaSpec
@@ -117,7 +118,11 @@ class Controller:
         self.replicas: list[Replica] = []  # orchestrator-style attribute: none of its own
         self.models: dict[str, _Model] = {}
         self.placement = Placement()
-        self.devices: tuple[Device, ...] = config.devices or nvml_devices()
+        # The inventory placement works on: none when Ray places the replicas on its cluster
+        # (this host's GPUs are not where they run, and a declared list is not Ray's view).
+        self.devices: tuple[Device, ...] = (
+            () if config.controller.orchestrator == "ray" else config.devices or nvml_devices()
+        )
         self._turn: dict[str, int] = {}
         # (model, decision) of every change; decisions also holds the no-ops, which push
         # a change out of it within KEPT_DECISIONS intervals.
@@ -180,6 +185,7 @@ class Controller:
 
     async def _loop(self, name: str) -> None:
         model = self.models[name]
+        await self._configured_replicas_started()
         while True:
             try:
                 await self.tick(name)
@@ -188,6 +194,14 @@ class Controller:
             model.demand.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(model.demand.wait(), model.config.interval_s)
+
+    async def _configured_replicas_started(self) -> None:
+        """Wait until a remote orchestrator's configured replicas were asked for. Local
+        workers exist from the start; Ray's are placed one by one after it, and a decision
+        made meanwhile would see none, start one more, and give it the id of one of them."""
+        for starter in self.gateway.orchestrators:
+            if isinstance(starter, ConfiguredFleet):
+                await starter.started.wait()
 
     # ------------------------------------------------------------------ one decision
     def inputs(self, name: str) -> ScaleInputs:

@@ -5,11 +5,13 @@ speaks the protocol (``RayWorkers``) gets them from here: on ``start()`` one ``s
 per configured replica (``model-pool-index``, the same ids as local), each handed to the
 gateway; on ``stop()`` the orchestrator is closed, which stops them all. A replica the
 cluster cannot place is logged and left out; the controller (for an autoscaled model) asks
-again at its next period.
+again at its next period. ``started`` is set once every configured replica was asked for:
+the controller decides nothing before (it would see none, and start one more).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from tidegate.config import TidegateConfig
@@ -26,6 +28,7 @@ class ConfiguredFleet:
         self.orchestrator = orchestrator
         self.gateway = gateway
         self.replicas: list[Replica] = []  # the gateway learns of them as they start
+        self.started = asyncio.Event()  # every configured replica was asked for
 
     def specs(self) -> list[ReplicaSpec]:
         return [
@@ -45,15 +48,18 @@ class ConfiguredFleet:
         ]
 
     async def start(self) -> None:
-        for spec in self.specs():
-            try:
-                replica = await self.orchestrator.start_replica(
-                    spec, self.gateway.on_replica_change
-                )
-            except Exception as exc:  # refused by the cluster: say so, start the others
-                log.error("replica %s not started: %s", spec.replica_id, exc)
-                continue
-            self.gateway.add_replica(replica)
+        try:
+            for spec in self.specs():
+                try:
+                    replica = await self.orchestrator.start_replica(
+                        spec, self.gateway.on_replica_change
+                    )
+                except Exception as exc:  # refused by the cluster: say so, start the others
+                    log.error("replica %s not started: %s", spec.replica_id, exc)
+                    continue
+                self.gateway.add_replica(replica)
+        finally:
+            self.started.set()
 
     async def stop(self, timeout_s: float = 10) -> None:
         await self.orchestrator.close()
