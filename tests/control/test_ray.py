@@ -17,17 +17,14 @@ import asyncio
 import collections
 import contextlib
 import os
-import shutil
+import signal
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,10 +32,10 @@ from prometheus_client.parser import text_string_to_metric_families
 # Read by Ray when it is imported: 0 keeps every node and the driver on 127.0.0.1.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray
-from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 
+from tests.control.raycluster import loopback_cluster
 from tests.control.test_local import DEADLINE_S, Changes
 from tests.gateway.harness import flat_profile
 from tidegate.config import parse_config
@@ -67,7 +64,6 @@ NODE = {
     "node_ip_address": "127.0.0.1",
     "object_store_memory": 80 * 1024 * 1024,
 }
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def spec(replica_id: str, memory_mb: float = 200.0, **extra: Any) -> ReplicaSpec:
@@ -142,71 +138,44 @@ def test_tidegate_imports_without_ray_and_says_how_to_get_it() -> None:
     assert "pip install 'tidegate[ray]'" in result.stdout
 
 
+class _RayInit:
+    """What ``ray.init`` does to this process's signals (ray/_private/worker.py), no more."""
+
+    def __init__(self) -> None:
+        self.initialized = False
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def init(self, **options: Any) -> None:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+        self.initialized = True
+
+
+def test_joining_ray_keeps_the_processs_own_sigterm_handler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def graceful(signum: int, frame: object) -> None:  # the gateway's shutdown, say
+        pass
+
+    monkeypatch.setattr("tidegate.control.ray.import_ray", _RayInit)
+    previous = signal.signal(signal.SIGTERM, graceful)
+    try:
+        RayWorkers(address="127.0.0.1:6379").connect()
+        assert signal.getsignal(signal.SIGTERM) is graceful
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # ----------------------------------------------------------------------------- the cluster
-# Ray waits a fixed 30 s for a new node's raylet to register (ray/_private/node.py, not
-# configurable); on a machine loaded past that, starting the cluster again is the only remedy.
-CLUSTER_ATTEMPTS = 3
-
-
-def _start_cluster() -> Cluster:
-    """The three-node cluster, started again (after killing what a failed start left) when
-    Ray gives up on a raylet that registers late."""
-    for attempt in range(1, CLUSTER_ATTEMPTS + 1):
-        cluster, started = None, time.time()
-        try:
-            cluster = Cluster(
-                initialize_head=True, head_node_args={**NODE, "include_dashboard": False}
-            )
-            for _ in range(2):
-                cluster.add_node(**NODE)
-            cluster.wait_for_nodes(timeout=DEADLINE_S)  # Ray's default, 30 s, fails when loaded
-            return cluster
-        except Exception as exc:
-            if "timed out during startup" not in str(exc) or attempt == CLUSTER_ATTEMPTS:
-                raise
-            if cluster is not None:
-                cluster.shutdown()
-            _kill_children_since(started)
-    raise AssertionError("unreachable")
-
-
-def _kill_children_since(started: float) -> None:
-    """Ray's processes (GCS, raylets) a failed start left behind: this process's children
-    started since then."""
-    children = [
-        child
-        for child in psutil.Process().children(recursive=True)
-        if child.create_time() >= started - 1.0  # create_time has a coarse clock
-    ]
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    psutil.wait_procs(children, timeout=DEADLINE_S)
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    assert not ray_constants.ENABLE_RAY_CLUSTER, "Ray was imported before this module set it"
-    tmp = tempfile.mkdtemp(prefix="tg-ray-")  # short: Ray's socket paths must fit
-    saved = {name: os.environ.get(name) for name in [*RAY_ENV, "RAY_TMPDIR"]}
-    os.environ.update(RAY_ENV, RAY_TMPDIR=tmp)
-    os.mkdir(os.path.join(tmp, "ray"))
-    cluster = None
-    try:
-        cluster = _start_cluster()
-        assert cluster.address.startswith("127.0.0.1:"), cluster.address  # loopback only
+    with loopback_cluster(NODE) as cluster:
         ray.init(address=cluster.address, namespace="tidegate-test")
-        yield cluster
-    finally:
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
 
 
 # A soft spread gives up its preferred nodes after this: short, for the tests where no node

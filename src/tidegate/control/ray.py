@@ -36,6 +36,8 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -205,11 +207,26 @@ class RayWorkers:
         slot = self._slots.get(replica_id)
         return None if slot is None else slot.node_id
 
+    def device_of(self, replica_id: str) -> str:
+        """Where a replica runs, as ``tidegate_replica_info`` shows it: ``ray:<node id>``
+        ("" while it is not placed); KeyError for a replica that is not one of these."""
+        node_id = self._slots[replica_id].node_id
+        return "" if node_id is None else f"ray:{node_id}"
+
     def connect(self) -> None:
-        """Join the Ray cluster at ``address`` unless this process already has (blocks once)."""
+        """Join the Ray cluster at ``address`` unless this process already has (blocks once).
+
+        ``ray.init`` sets a SIGTERM handler that exits at once; the process's own is put
+        back (the gateway's: admission closed, work in progress finished, replicas stopped).
+        """
         ray = import_ray()
         if not ray.is_initialized():
-            ray.init(address=self.address, namespace=self.namespace)
+            on_sigterm = signal.getsignal(signal.SIGTERM)
+            try:
+                ray.init(address=self.address, namespace=self.namespace)
+            finally:
+                if on_sigterm is not None and threading.current_thread() is threading.main_thread():
+                    signal.signal(signal.SIGTERM, on_sigterm)
             self._owns_ray = True
 
     # ------------------------------------------------------------------ placement
