@@ -21,10 +21,16 @@ class ClosedLoop:
     (``statuses``) and by label and status (``counts``); keeps the start of every non-200
     body that was read and the error of every request that raised (counted as status 0) in
     ``errors``. ``hang_fails``: a thread still running after its join fails the test ("a
-    request hung"); ``daemon``: the threads are daemon threads."""
+    request hung"); ``daemon``: the threads are daemon threads; ``max_requests``: all threads
+    together send no more than this many requests (None: until stopped)."""
 
     def __init__(
-        self, loops: Iterable[tuple[str, Send]], *, daemon: bool = False, hang_fails: bool = False
+        self,
+        loops: Iterable[tuple[str, Send]],
+        *,
+        daemon: bool = False,
+        hang_fails: bool = False,
+        max_requests: int | None = None,
     ) -> None:
         self.statuses: Counter[int] = Counter()
         self.counts: Counter[tuple[str, int]] = Counter()
@@ -32,6 +38,7 @@ class ClosedLoop:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._hang_fails = hang_fails
+        self._budget = max_requests
         self._threads = [
             threading.Thread(target=self._run, args=(label, send), daemon=daemon)
             for label, send in loops
@@ -54,9 +61,17 @@ class ClosedLoop:
         with self._lock:
             return self.statuses.total()
 
+    def _take_one(self) -> bool:
+        """Whether the budget allows one more request (and count it against it)."""
+        with self._lock:
+            if self._budget is None:
+                return True
+            self._budget -= 1
+            return self._budget >= 0
+
     def _run(self, label: str, send: Send) -> None:
         with httpx.Client(timeout=DEADLINE_S) as client:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self._take_one():
                 try:
                     answer = send(client)
                 except httpx.HTTPError as error:  # counted as status 0, and the load goes on
