@@ -133,6 +133,26 @@ def test_upstream_killed_mid_stream_ends_every_stream_with_an_error_then_done(
         assert counted["completed"] == len(answers) - len(cut), counted
 
 
+def test_upstream_dying_before_it_answers_has_its_request_retried_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """ARCHITECTURE: a crashed replica's in-flight requests that had not started streaming
+    are retried once on another replica. The upstream dies on the first request it gets."""
+    with (
+        upstream("die-before-answer") as (dying, process),
+        upstream("ok") as (healthy, _),
+        gateway_process(
+            "--config", write_config(tmp_path, [upstream_model("up", [dying, healthy])])
+        ) as gw,
+    ):
+        before = scrape(gw.url, "up")
+        answers = asyncio.run(fire(gw.url, CHAT, [chat() for _ in range(20)], concurrency=4))
+        assert process.wait(timeout=30) == 17, "no request reached the dying upstream"
+        counted = assert_all_answered_and_counted(answers, gw, "up", before)
+        assert [a.status for a in answers] == [200] * 20, [(a.status, a.body) for a in answers]
+        assert counted["completed"] == 20, counted
+
+
 def test_worker_killed_under_load_every_request_answered_and_counted(tmp_path: Path) -> None:
     model = {
         "name": "sim",

@@ -39,6 +39,8 @@ def make_app(mode: str) -> web.Application:
         body = await request.json()
         if mode == "fail":
             return web.json_response({"error": {"message": "upstream broke"}}, status=500)
+        if mode == "die-before-answer":
+            os._exit(17)  # a crash mid-request: the connection closes without a byte
         if body.get("stream") is True:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
@@ -80,7 +82,9 @@ def make_app(mode: str) -> web.Application:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["ok", "fail", "die-mid-stream"], default="ok")
+    parser.add_argument(
+        "--mode", choices=["ok", "fail", "die-mid-stream", "die-before-answer"], default="ok"
+    )
     args = parser.parse_args()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from tidegate.errors import ReplicaFailed
-from tidegate.gateway.proxy import ConnectFailed, ReplicaGone, ReplicaPool, forward
+from tidegate.gateway.proxy import ConnectFailed, NoAnswer, ReplicaGone, ReplicaPool, forward
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 JSON = b"content-type: application/json\r\n"
@@ -209,14 +209,19 @@ async def test_a_kept_alive_connection_closed_unanswered_goes_to_another() -> No
     await pool.close()
 
 
-async def test_a_new_connection_closed_unanswered_is_a_replica_failure() -> None:
+async def test_a_replica_that_dies_before_answering_sends_the_request_elsewhere() -> None:
+    """A new connection closed without a byte of answer (the replica crashed, its node
+    went): nothing reached the client, so it is retried once elsewhere, and it counts
+    against the replica (NoAnswer, not ReplicaGone)."""
+
     async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         writer.close()
 
     pool = ReplicaPool()
     async with replica(drop) as rep:
-        with pytest.raises(ReplicaFailed):
+        with pytest.raises(NoAnswer) as caught:
             await forward(pool, rep.url, "/v1/embeddings", b"{}", {}, stream=False)
+        assert not isinstance(caught.value, ReplicaGone)
     await pool.close()
 
 

@@ -56,6 +56,13 @@ class ReplicaGone(ConnectFailed):
     """
 
 
+class NoAnswer(ConnectFailed):
+    """The replica closed a new connection without a byte of answer: it crashed, or its
+    node went, mid-request. Nothing reached the client, so the request goes once to another
+    replica (ARCHITECTURE: in-flight requests of a crashed replica that had not started
+    streaming are retried once); the replica's outlier record counts it."""
+
+
 @dataclass
 class Forwarded:
     status: int
@@ -284,10 +291,12 @@ async def forward(
         await conn.head
     except BaseException as exc:
         conn.close()
-        if reused and not conn.got_bytes and isinstance(exc, OSError):
-            # The server closed an idle connection as the request went out: not a failure
-            # of the replica, and no answer came. Another connection takes it.
-            raise ReplicaGone(f"{url}: kept-alive connection closed: {exc}") from exc
+        if not conn.got_bytes and isinstance(exc, OSError):
+            if reused:
+                # The server closed an idle connection as the request went out: not a
+                # failure of the replica, and no answer came. Another connection takes it.
+                raise ReplicaGone(f"{url}: kept-alive connection closed: {exc}") from exc
+            raise NoAnswer(f"{url}: closed without answering: {exc}") from exc
         if isinstance(exc, OSError | httptools.HttpParserError):
             log.warning("replica at %s failed: %s: %s", url, type(exc).__name__, exc)
             raise ReplicaFailed("the replica failed before it answered") from exc
