@@ -1,6 +1,5 @@
 """The HTTP servers' transport: what a handler writes in one event-loop turn leaves in one
-``write`` (uvicorn writes a response's head and body apart), and nothing is lost on close;
-and what the worker sets for torch's threads before torch loads."""
+``write`` (uvicorn writes a response's head and body apart), and nothing is lost on close."""
 
 from __future__ import annotations
 
@@ -65,21 +64,3 @@ async def test_close_sends_what_is_pending_first() -> None:
     await asyncio.sleep(0)
     await asyncio.sleep(0)
     assert len(recorder.writes) == 1  # the turn's flush finds nothing left
-
-
-@pytest.mark.parametrize(
-    ("device", "task", "environ", "added"),
-    [
-        ("cpu", "embeddings", {}, {"OMP_WAIT_POLICY": "PASSIVE"}),  # sleep, not spin
-        ("cpu", "embeddings", {"OMP_WAIT_POLICY": "ACTIVE"}, {}),  # the operator's wins
-        ("cpu", "generate", {}, {}),  # not measured for decode steps: as torch has it
-        ("cpu", None, {}, {}),  # unknown task
-        ("cuda:0", "embeddings", {}, {}),  # a GPU's host threads are left as they are
-    ],
-)
-def test_torch_thread_env(
-    device: str, task: str | None, environ: dict[str, str], added: dict[str, str]
-) -> None:
-    from tidegate.worker.server import torch_thread_env
-
-    assert torch_thread_env(device, task, environ) == added

@@ -12,10 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -24,7 +23,6 @@ from starlette.types import ASGIApp, Scope
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tidegate.asgi import BodyLimits
-from tidegate.engines.registry import known_models
 from tidegate.errors import InvalidRequest
 from tidegate.worker.app import create_app
 from tidegate.worker.runtime import WorkerSettings
@@ -215,21 +213,6 @@ def address_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def torch_thread_env(device: str, task: str | None, environ: Mapping[str, str]) -> dict[str, str]:
-    """What the worker adds to its environment for torch's threads, before torch loads.
-
-    On CPU, torch's OpenMP threads spin for a while after each parallel region (libgomp's
-    default), on the cores the HTTP loop needs: ``OMP_WAIT_POLICY=PASSIVE`` has them sleep
-    instead (bench_worker, embeddings: the worker's CPU fell from 1.96 to about 1.6 of 2
-    cores at the same batch rate). Embeddings only: a decode step is many short parallel
-    regions, where waking sleeping threads costs more, and that was not measured. An
-    operator's own setting wins; GPUs are left as they are.
-    """
-    if device != "cpu" or task != "embeddings" or "OMP_WAIT_POLICY" in environ:
-        return {}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
 def serve_worker(settings: WorkerSettings, host: str, port: int, log_level: str = "info") -> int:
     """Serve until SIGINT/SIGTERM; exit status 1 when the engine failed to load or warm up.
 
@@ -240,9 +223,6 @@ def serve_worker(settings: WorkerSettings, host: str, port: int, log_level: str 
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    known = known_models().get(settings.model)
-    task = settings.task or (known.task if known else None)
-    os.environ.update(torch_thread_env(settings.device, task, os.environ))  # before torch
     sock = bind(host, port)
     # The first line of output is the address: the gateway and tests read it.
     print(address_of(sock), flush=True)
