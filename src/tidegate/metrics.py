@@ -153,6 +153,13 @@ class GatewayMetrics(_RequestMetrics):
             ["model", "pool", "state"],
             registry=r,
         )
+        self.quota_rejections = Counter(
+            "tidegate_quota_rejections_total",
+            "Requests refused by their API key's rate limit before taking a place in the "
+            "queue, by key and the limit that refused them (requests or tokens).",
+            ["key", "limit"],
+            registry=r,
+        )
         self.retries = Counter(
             "tidegate_retries_total",
             "Requests retried on another replica after a connect failure.",

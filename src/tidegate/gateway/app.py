@@ -129,9 +129,11 @@ _ERRORS = {
     401: "No API key, or an unknown one.",
     403: "The priority asked for is above the API key's cap.",
     404: "No such model here; see /v1/models.",
-    413: "The body or the prompt is over its limit.",
-    429: "Refused by admission: the queue is full, the request was shed for a more urgent one, "
-    "or its predicted wait is beyond its deadline. Retry after Retry-After seconds.",
+    413: "The body or the prompt is over its limit, or the request counts more tokens than "
+    "its API key's rate limit allows at once.",
+    429: "Refused by admission: the API key is over its rate limit, the queue is full, the "
+    "request was shed for a more urgent one, or its predicted wait is beyond its deadline. "
+    "Retry after Retry-After seconds.",
     500: "Internal error: a bug, logged by the gateway.",
     502: "The replica failed the request.",
     503: "No replica is ready, or the gateway is shutting down. Retry after Retry-After seconds.",

@@ -2,10 +2,11 @@
 
 Per request: authenticate (API key → class and cap), validate the body once against its
 endpoint's schema (``wire``) and take what the scheduler needs from it (model, stream,
-priority, a token estimate), submit to the model's dispatcher (429 with Retry-After when
-refused), wait for a replica slot (504 on queue timeout, cancelled when the client goes
-away), forward (retry once on another replica if nothing reached the first), pass the
-answer through. Every request ends in exactly one counted outcome.
+priority, a token estimate), check the key's quota (429 with Retry-After when over it),
+submit to the model's dispatcher (429 with Retry-After when refused), wait for a replica
+slot (504 on queue timeout, cancelled when the client goes away), forward (retry once on
+another replica if nothing reached the first), pass the answer through. Every request ends
+in exactly one counted outcome.
 """
 
 from __future__ import annotations
@@ -188,6 +189,11 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
     stream = not isinstance(parsed, wire.EmbeddingsRequest) and parsed.stream
     dispatcher = gateway.dispatchers[model]
     core = CoreRequest(call.rid, model, level, call.started, None, estimate_tokens(parsed))
+    try:  # before the queue: a key over its quota displaces nobody
+        quota = gateway.quotas.check(key, core.cost_tokens)
+    except TidegateError:
+        call.outcome = "rejected_quota"
+        raise
     # The client's bytes go on as they came, but for the gateway's own field: some
     # OpenAI-compatible servers refuse it.
     body = (
@@ -196,6 +202,7 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
         else json.dumps({k: v for k, v in payload.items() if k != "priority"}).encode()
     )
     ticket = dispatcher.submit(core)  # raises 429 / 503
+    gateway.quotas.charge(key, quota)  # admitted: now it spends its key's quota
     worker_level = WORKER_LEVELS[min(level, len(WORKER_LEVELS) - 1)]
     headers = {
         "content-type": "application/json",

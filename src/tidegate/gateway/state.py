@@ -25,6 +25,7 @@ from tidegate.config import TidegateConfig
 from tidegate.errors import NotReady
 from tidegate.gateway.dispatcher import ModelDispatcher
 from tidegate.gateway.proxy import ReplicaPool
+from tidegate.gateway.quotas import KeyQuotas
 from tidegate.gateway.replicas import Replica
 from tidegate.metrics import GatewayMetrics
 
@@ -53,8 +54,10 @@ class Gateway:
     _release_waiters: set[asyncio.Event] = field(default_factory=set)
     _cut_off_at: float | None = None  # loop time of shutdown's cut-off; None: not yet
     _cut_scopes: set[asyncio.Timeout] = field(default_factory=set)  # in-flight awaits
+    quotas: KeyQuotas = field(init=False)  # the buckets of keys with a rate_limit
 
     def __post_init__(self) -> None:
+        self.quotas = KeyQuotas(self.config.keys, self.metrics)
         pools = self.config.pool_specs()
         for name in self.config.models:
             self.replicas.setdefault(name, [])
