@@ -32,16 +32,16 @@ GENERATE = {
 
 def test_lru_counts_only_the_leading_cached_run() -> None:
     cache = BlockLRU(10)
-    assert cache.admit([0, 1, 2]) == 0
-    assert cache.admit([0, 1, 9]) == 2
-    assert cache.admit([5, 1, 2]) == 0  # 1 and 2 are cached, but after a miss
+    assert cache.fill([0, 1, 2]) == 0
+    assert cache.fill([0, 1, 9]) == 2
+    assert cache.fill([5, 1, 2]) == 0  # 1 and 2 are cached, but after a miss
 
 
 def test_lru_evicts_the_least_recently_used() -> None:
     cache = BlockLRU(3)
-    cache.admit([1, 2, 3])
-    cache.admit([1])  # 1 is the most recent now
-    cache.admit([4])
+    cache.fill([1, 2, 3])
+    cache.fill([1])  # 1 is the most recent now
+    cache.fill([4])
     assert 2 not in cache
     assert 1 in cache
     assert len(cache) == 3

@@ -50,7 +50,7 @@ class BlockLRU:
     def __contains__(self, block: int) -> bool:
         return block in self._blocks
 
-    def admit(self, blocks: Sequence[int]) -> int:
+    def fill(self, blocks: Sequence[int]) -> int:
         """Prefill ``blocks``: how many leading ones were cached; all become most recent."""
         cached = self._blocks
         hits = 0

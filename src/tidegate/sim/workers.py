@@ -250,7 +250,7 @@ class SequenceWorker(_LocalQueue):
         uncached = 0
         for ticket in joiners:
             blocks = ticket.blocks
-            hits = cached.admit(blocks) if blocks else 0
+            hits = cached.fill(blocks) if blocks else 0
             recorder.cache_blocks += len(blocks)
             recorder.cache_hit_blocks += hits
             uncached += len(blocks) - hits
