@@ -33,6 +33,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench_sim import AZURE_CONFIG as CONFIG  # the same simulated llama2-70b fleet
 from summary import write_verdicts
 from tidegate.config import load_config
 from tidegate.core.prefix import DEFAULT_LOAD_FACTOR, DEFAULT_NUM_BLOCKS, PrefixAffinity
@@ -47,16 +48,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACES = ROOT.parent / "shared" / "traces"
 FLEETS = ((4, 0.25), (8, 0.5))  # (replicas, rate scale of the trace)
 QUICK_S = 1800.0
-CONFIG = """\
-# llama2-70b on 8 A100s (TP8) per replica, 32 sequences at once; queue defaults.
-models:
-  - name: llama2-70b
-    task: generate
-    engine: simulated
-    replicas: 4
-    batching:
-      max_num_seqs: 32
-"""
 
 
 @dataclass
