@@ -317,12 +317,27 @@ def simulate(
         typer.Option(help="Wall time of the workload's start (schedules, forecast), ISO 8601."),
     ] = "2026-11-30T00:00:00+00:00",
     out: Annotated[Path, typer.Option(help="Folder of report.json/.md/.png.")] = Path("sim-out"),
+    validate: Annotated[
+        Path | None,
+        typer.Option(help="A recorded real run (docs/simulator.md): replay it and compare."),
+    ] = None,
 ) -> None:
     """Replay a trace or a synthetic workload through the scheduler's own policies."""
     from tidegate.errors import ConfigError
     from tidegate.sim import SimulateOptions, write_outputs
     from tidegate.sim import simulate as run_simulation
     from tidegate.sim.report import terminal
+
+    if validate is not None:
+        from tidegate.sim.command import validate_run
+
+        try:
+            text, passed = validate_run(validate, profile, config, out)
+        except (ConfigError, ValueError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        typer.echo(text)
+        raise typer.Exit(0 if passed else 1)
 
     options = SimulateOptions(
         trace=trace,

@@ -215,3 +215,37 @@ def write_outputs(
         write_png(results, out / "report.png")
         written.append(out / "report.png")
     return written
+
+
+def validate_run(
+    run_path: Path, profile: str | None, config: Path | None, out: Path | None
+) -> tuple[str, bool]:
+    """``--validate RUN``: the run replayed (sim.validate); the text and whether it passed.
+
+    ``--profile`` is required (the service model to check); ``--config`` replaces the config
+    the run recorded. ``out/validation.json`` gets the figures.
+    """
+    import json
+
+    import yaml
+
+    from tidegate.sim.validate import load_run, render, validate, validation_data
+
+    if profile is None:
+        raise ValueError("--validate needs --profile: the service model to check against the run")
+    run = load_run(run_path)
+    if config is not None:
+        from dataclasses import replace
+
+        run = replace(run, config=yaml.safe_load(config.read_text()))
+    validation, _, _ = validate(run, load_service(profile))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "validation.json").write_text(json.dumps(validation_data(validation), indent=2))
+    title = f"{run_path.name}: {run.model} ({run.task}), policy {_policy(run.config)}"
+    return render(validation, title), validation.passed
+
+
+def _policy(config: Any) -> str:
+    gateway = config.get("gateway") if isinstance(config, dict) else None
+    return str((gateway or {}).get("policy", "priority"))
