@@ -1,0 +1,114 @@
+"""What adaptive batching learns from what it sees: the arrival rate and the batch cap.
+
+Design note. Both are small state objects the shell feeds with what happened (an arrival,
+a request's latency) and the time it read; they read no clock and do no I/O, so the worker
+and the simulator drive them identically and tests drive them with made-up times.
+
+- ``ArrivalRate``: an exponentially decayed count of arrivals. With time constant ``tau_s``
+  the count decays by ``exp(-dt / tau_s)``, and ``count / tau_s`` estimates arrivals per
+  second (exact for a steady Poisson stream in expectation, once ``tau_s`` has passed). It
+  forgets a burst within a few ``tau_s``.
+- ``AdaptiveCap``: AIMD on the batch's count bound, driven by the most urgent level's
+  latency. Every ``num_samples`` latencies of that level it takes their P99: over the
+  target, the cap is multiplied by ``decrease_factor`` (a batch that makes urgent requests
+  late shrinks fast); under ``grow_below`` x target, it grows by one (slowly, back towards
+  the throughput of large batches); in between it holds (the dead band keeps it from
+  flapping). It stays within ``[min_batch_size, max_batch_size]``: the upper bound is the
+  configured maximum, which the profile's knee sets (``tidegate profile`` recommends it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class ArrivalRate:
+    """Arrivals per second, exponentially weighted over ``tau_s`` (see the module note)."""
+
+    __slots__ = ("_count", "_seen_at", "tau_s")
+
+    def __init__(self, tau_s: float = 1.0) -> None:
+        if tau_s <= 0:
+            raise ValueError(f"tau_s must be > 0, got {tau_s}")
+        self.tau_s = tau_s
+        self._count = 0.0
+        self._seen_at: float | None = None
+
+    def observe(self, now: float, count: int = 1) -> None:
+        self._count = self._decayed(now) + count
+        self._seen_at = now if self._seen_at is None else max(self._seen_at, now)
+
+    def rate_per_s(self, now: float) -> float | None:
+        """None until the first arrival: no estimate yet."""
+        if self._seen_at is None:
+            return None
+        return self._decayed(now) / self.tau_s
+
+    def _decayed(self, now: float) -> float:
+        if self._seen_at is None:
+            return 0.0
+        elapsed = max(0.0, now - self._seen_at)
+        return self._count * math.exp(-elapsed / self.tau_s)
+
+
+@dataclass(frozen=True, slots=True)
+class CapConfig:
+    target_p99_s: float  # the most urgent level's latency target at P99
+    max_batch_size: int  # upper bound: the configured maximum (the profile's knee)
+    min_batch_size: int = 1
+    num_samples: int = 50  # latencies per decision
+    decrease_factor: float = 0.5  # over target: cap *= this
+    grow_below: float = 0.8  # P99 under this share of the target: cap += 1
+
+    def __post_init__(self) -> None:
+        if self.target_p99_s <= 0:
+            raise ValueError(f"target_p99_s must be > 0, got {self.target_p99_s}")
+        if not 1 <= self.min_batch_size <= self.max_batch_size:
+            raise ValueError(
+                f"need 1 <= min_batch_size <= max_batch_size, got "
+                f"{self.min_batch_size} and {self.max_batch_size}"
+            )
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+        if not 0 < self.decrease_factor < 1:
+            raise ValueError(f"decrease_factor must be in (0, 1), got {self.decrease_factor}")
+        if not 0 < self.grow_below <= 1:
+            raise ValueError(f"grow_below must be in (0, 1], got {self.grow_below}")
+
+
+def p99(samples: list[float]) -> float:
+    """Nearest-rank 99th percentile of a non-empty list."""
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def decide_batch_cap(cap: int, p99_s: float, config: CapConfig) -> tuple[int, str]:
+    """The next cap and why: ``decrease``, ``increase`` or ``hold``."""
+    if p99_s > config.target_p99_s:
+        shrunk = max(config.min_batch_size, math.floor(cap * config.decrease_factor))
+        return shrunk, "decrease" if shrunk < cap else "hold"
+    if p99_s < config.grow_below * config.target_p99_s and cap < config.max_batch_size:
+        return cap + 1, "increase"
+    return min(max(cap, config.min_batch_size), config.max_batch_size), "hold"
+
+
+class AdaptiveCap:
+    """The cap and the latencies since the last decision (see the module note)."""
+
+    __slots__ = ("_samples", "cap", "config", "last_decision", "last_p99_s")
+
+    def __init__(self, config: CapConfig) -> None:
+        self.config = config
+        self.cap = config.max_batch_size  # start optimistic: the knee
+        self._samples: list[float] = []
+        self.last_p99_s: float | None = None
+        self.last_decision = "start"
+
+    def observe(self, latency_s: float) -> None:
+        """One latency of the most urgent level; decides every ``num_samples``."""
+        self._samples.append(latency_s)
+        if len(self._samples) >= self.config.num_samples:
+            self.last_p99_s = p99(self._samples)
+            self._samples.clear()
+            self.cap, self.last_decision = decide_batch_cap(self.cap, self.last_p99_s, self.config)
