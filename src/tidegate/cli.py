@@ -206,6 +206,13 @@ def profile(
         str | None,
         typer.Option(help="Measure this running OpenAI server (vLLM...): concurrency only."),
     ] = None,
+    through_gateway: Annotated[
+        bool,
+        typer.Option(help="Measure inside tidegate serve: load through its gateway (docs)."),
+    ] = False,
+    config: Annotated[
+        Path | None, typer.Option(help="--through-gateway: the deployment's serve config.")
+    ] = None,
     engine: Annotated[
         EngineKind, typer.Option(help="Engine of the workers it starts.")
     ] = EngineKind.transformers,
@@ -262,6 +269,8 @@ def profile(
             out=out or Path(f"profile-{model}"),
             model_path=str(model_path) if model_path else None,
             url=url,
+            through_gateway=through_gateway,
+            serve_config=config,
             engine=engine.value,
             sim_profile=str(sim_profile) if sim_profile else None,
             task=task.value if task else None,

@@ -18,6 +18,8 @@ class ProfileOptions:
     out: Path
     model_path: str | None = None
     url: str | None = None  # measure this running server instead of starting workers
+    through_gateway: bool = False  # measure inside `tidegate serve` (profile/gateway.py)
+    serve_config: Path | None = None  # --through-gateway: the deployment's serve config
     engine: str = "transformers"
     sim_profile: str | None = None  # the simulated engine's profile.json
     task: str | None = None  # of a --model-path model that is not built in
@@ -40,6 +42,10 @@ class ProfileOptions:
             _bad("url", "--url and --model-path exclude each other", "give one of them")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             _bad("url", f"{self.url!r} is not an http(s) URL", "e.g. http://127.0.0.1:8000")
+        if self.serve_config is not None and not self.through_gateway:
+            _bad("config", "--config is the serve config of --through-gateway", "add it")
+        if self.through_gateway and self.url is not None and self.model_path is not None:
+            _bad("model_path", "a running gateway at --url serves its own models", "drop it")
         if self.max_seconds_per_point < self.min_seconds_per_point:
             _bad(
                 "max_seconds_per_point",
@@ -48,7 +54,12 @@ class ProfileOptions:
             )
         if any(w < 0 for w in self.batch_windows_ms) or not self.batch_windows_ms:
             _bad("batch_windows_ms", "needs one or more windows >= 0", "e.g. 0,2,5,10")
-        if self.engine == "simulated" and self.url is None and self.sim_profile is None:
+        if (
+            self.engine == "simulated"
+            and self.url is None
+            and self.sim_profile is None
+            and self.serve_config is None
+        ):
             _bad(
                 "sim_profile",
                 "the simulated engine needs a profile to replay",

@@ -94,6 +94,8 @@ def measured_record(record: RunRecord, curve_source: str) -> dict[str, Any]:
         "stopped": record.stopped,
         "command": o.command,
         "url": o.url,
+        "through_gateway": o.through_gateway,
+        "serve_config": None if o.serve_config is None else str(o.serve_config),
         "tidegate": __version__,
         "host": host_facts(),
         "climb_stops": record.climb_stops,
@@ -127,7 +129,7 @@ def recommended_yaml(record: RunRecord, rec: Recommendation) -> str:
         f"{record.started_at}",
         f"# SLO: {slo_text(o.slo)}. A model entry for `tidegate serve`: merge it into `models:`.",
     ]
-    if o.url is not None and rec.knee is not None:
+    if o.url is not None and not o.through_gateway and rec.knee is not None:
         lines.append(
             f"# Upstream servers are scaled outside tidegate: {rec.knee.concurrency} in flight "
             "per server is the target for their autoscaler."
@@ -160,7 +162,7 @@ def _identity(record: RunRecord) -> dict[str, Any]:
     entry: dict[str, Any] = {}
     if o.model not in known_models():
         entry["task"] = record.task
-    if o.url is not None:
+    if o.url is not None and not o.through_gateway:
         return entry | {"engine": "openai", "upstreams": [o.url]}
     if o.engine == "simulated":
         entry |= {"engine": "simulated", "profile": "profile.json"}

@@ -162,7 +162,11 @@ def _write(
     record = RunRecord(
         options=options,
         task=task,
-        engine=prepared.info.engine if prepared is not None else options.engine,
+        engine=(
+            prepared.info.engine
+            if prepared is not None and not (options.through_gateway and options.local)
+            else options.engine
+        ),
         started_at=started_at,
         duration_s=duration_s,
         workload=prepared.workload.describe() if prepared is not None else {},

@@ -29,13 +29,21 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 
 from tidegate.core.capacity import StopClimbing, decide_climb
 from tidegate.engines.profile import MeasuredPoint, load_profile
 from tidegate.errors import ConfigError
+from tidegate.profile.gateway import (
+    LocalStack,
+    base_config,
+    configured_window,
+    find_worker,
+    free_port,
+    stack_config,
+)
 from tidegate.profile.loadgen import RequestSpec, build_requests, calibrate
 from tidegate.profile.measure import MeasureSettings, PointRun, PointSpec, measure_point
 from tidegate.profile.options import DEFAULT_WINDOW_MS, ProfileOptions
@@ -90,6 +98,9 @@ class Planner:
     _left: dict[str, int] = field(default_factory=dict)  # points still planned per sweep
 
     async def run(self, session: aiohttp.ClientSession) -> None:
+        if self.options.through_gateway:
+            await self._through_gateway(session)
+            return
         if not self.options.local:
             assert self.options.url is not None
             await self._prepare(session, self.options.url)
@@ -144,6 +155,75 @@ class Planner:
                 await self._measure(session, url, meter, spec)
         best = self._knee_point("window")
         return DEFAULT_WINDOW_MS if best is None else best.batch_window_ms or 0.0
+
+    # ----------------------------------------------------------------- through the gateway
+    async def _through_gateway(self, session: aiohttp.ClientSession) -> None:
+        """Load through ``tidegate serve``, service times from its worker (profile/gateway.py)."""
+        o = self.options
+        if o.url is not None:
+            stack = await find_worker(session, o.url, o.model)
+            levels = o.concurrency_levels(o.max_concurrency)
+            self._expect("concurrency", len(levels))
+            meter = ResourceMeter(session, stack.worker_url, stack.worker_pid, o.device)
+            try:
+                await self._concurrency_sweep(session, stack.gateway_url, meter, None, levels)
+            finally:
+                meter.close()
+            return
+        task = self.expected_task()
+        base = base_config(o.serve_config)
+        if task == "generate":
+            levels = o.concurrency_levels(o.max_concurrency)
+            self._expect("concurrency", len(levels))
+            async with self._stack(session, base, task, o.max_batch) as started:
+                if started is not None:
+                    url, meter = started
+                    await self._concurrency_sweep(session, url, meter, (o.max_batch, None), levels)
+            return
+        batches = o.batch_sizes()
+        self._expect("batch", len(batches))
+        window = configured_window(base, o.model)
+        for index, batch in enumerate(batches):
+            if self.stop.is_set():
+                return
+            spec = PointSpec("batch", 2 * batch, batch, window)
+            async with self._stack(session, base, task, batch) as started:
+                if started is not None:
+                    await self._measure(session, started[0], started[1], spec)
+            if self._stops_climbing("batch", batches[index + 1 :]):
+                break
+
+    @contextlib.asynccontextmanager
+    async def _stack(
+        self, session: aiohttp.ClientSession, base: dict[str, Any], task: str, batch: int
+    ) -> AsyncIterator[tuple[str, ResourceMeter] | None]:
+        o = self.options
+        config = stack_config(
+            base,
+            o.model,
+            task,
+            batch,
+            engine=o.engine,
+            sim_profile=o.sim_profile,
+            model_path=o.model_path,
+            device=o.device,
+            port=free_port(),
+        )
+        self.progress.note(f"starting tidegate serve: batch {batch}")
+        async with LocalStack.start(
+            session, config, o.model, o.ready_timeout_s, self.stop
+        ) as stack:
+            if stack is None:
+                yield None
+                return
+            meter = ResourceMeter(session, stack.worker_url, stack.worker_pid, o.device)
+            try:
+                first = await meter.snapshot()
+                if first.counters is not None and first.counters.weights_mb is not None:
+                    self.weights_mb = first.counters.weights_mb
+                yield stack.gateway_url, meter
+            finally:
+                meter.close()
 
     # ----------------------------------------------------------------- generation
     async def _generate_sweep(self, session: aiohttp.ClientSession) -> None:
