@@ -15,6 +15,18 @@ Removal from the middle (cancel, shed, expire) is lazy: the entry is marked dead
 when it reaches either end of its FIFO, and the FIFOs are compacted when dead entries
 outnumber live ones, so every operation is O(1) amortised (deadlines: O(log n)).
 
+Fair sharing inside a level (``QueueConfig.fairness``, core.fairness): each level also keeps
+one FIFO per tenant (the same entries), and a pick composes aging with virtual token counters
+(VTC) thus: aging decides the level, exactly as above (the level heads' keys, eligibility by
+``reaches_level_at``); VTC then decides the tenant within it: the backlogged tenant of that
+level with the least counter gives its oldest request (ties: the earlier head). Two
+exceptions keep aging's promise, both decided on the level head, which is also its oldest
+request: when the head is eligible only by aging (a pick for more urgent pools), or when its
+level won over a more urgent level's head by aging, the head itself is taken: an aged request
+is always taken once past its level, never replaced by a fresh one of another tenant. With
+one tenant in the level the pick is the FIFO's, at the cost of one ``len``. A pick charges
+the tenant its request's estimate; ``settle`` corrects that with the tokens served.
+
 Invariants:
 - every admitted request leaves exactly once: popped, shed, expired or cancelled;
 - ``len(queue) <= max_size`` and ``depth(level) <= level.max_size`` after every admission
@@ -31,6 +43,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from tidegate.core.fairness import FairnessConfig, VirtualTokenCounters
 from tidegate.core.request import Request, RequestState
 
 _STATES = tuple(RequestState)
@@ -70,6 +83,7 @@ class QueueConfig:
     aging: AgingConfig = AgingConfig()
     drain_window_s: float = 30.0  # completions older than this do not inform the drain rate
     min_drain_samples: int = 5  # fewer completions than this in the window: no prediction
+    fairness: FairnessConfig | None = None  # None: first come, first served inside a level
 
     def __post_init__(self) -> None:
         if not self.levels:
@@ -227,6 +241,11 @@ class WaitQueue:
         # member on every admission and pick is a measurable share of the simulator's time.
         self._tally = [[0] * len(_STATES) for _ in range(num_levels)]
         self.drain = DrainRate(self.config.drain_window_s, self.config.min_drain_samples)
+        fairness = self.config.fairness
+        self.fair = None if fairness is None else VirtualTokenCounters(fairness)
+        # Fair sharing only: per level, tenant -> its FIFO (front always alive) and live depth.
+        self._tenant_fifos: list[dict[str, deque[_Entry]]] = [{} for _ in range(num_levels)]
+        self._tenant_depths: list[dict[str, int]] = [{} for _ in range(num_levels)]
 
     # ----------------------------------------------------------------- views
     def __len__(self) -> int:
@@ -258,6 +277,14 @@ class WaitQueue:
             for index, count in enumerate(counts)
             if count
         }
+
+    def tenants(self) -> dict[str, dict[str, float | int]]:
+        """Per tenant: its virtual token counter and queued requests; {} without fairness."""
+        return {} if self.fair is None else self.fair.describe()
+
+    def tenant_depths(self, level: int) -> dict[str, int]:
+        """Queued requests per tenant at ``level`` ({} without fairness)."""
+        return dict(self._tenant_depths[level])
 
     def oldest_arrival_at(self) -> float | None:
         fronts = [self._front(level) for level in range(len(self._fifos))]
@@ -383,8 +410,16 @@ class WaitQueue:
             raise ValueError(f"request {request.id} is already queued")
         spec = self.config.levels[level]
         deadline_at = _earliest(request.deadline_at, spec.timeout_s, request.arrival_at)
+        if self.fair is not None:  # not served after all: its pick's charge is refunded
+            self.fair.charge(request.tenant, -self.fair.estimate(request.cost_tokens))
         self._insert(request, deadline_at)
         self._tally[level][_QUEUED] += 1
+
+    def settle(self, request: Request, input_tokens: int, output_tokens: int) -> None:
+        """``request`` completed having been served these tokens: its tenant's counter is
+        corrected from the estimate charged at its pick (no-op without fairness)."""
+        if self.fair is not None:
+            self.fair.settle(request.tenant, request.cost_tokens, input_tokens, output_tokens)
 
     # ------------------------------------------------------------- removal
     def peek(
@@ -413,7 +448,10 @@ class WaitQueue:
         request that does not fit, so a cheap request never overtakes a more urgent one.
         """
         chosen = self._select(n, now, max_tokens, levels)
+        fair = self.fair
         for entry in chosen:
+            if fair is not None:
+                fair.charge(entry.request.tenant, fair.estimate(entry.request.cost_tokens))
             self._remove(entry)
             self._tally[entry.request.priority][_DISPATCHED] += 1
         # Picked entries were at the fronts of their FIFOs: drop them now, so dead entries
@@ -475,15 +513,60 @@ class WaitQueue:
                 if queued.request.arrival_at > request.arrival_at
             )
             fifo.insert(position, entry)
+        if self.fair is not None:
+            self._insert_tenant(entry)
         self._live[request.id] = entry
         self._depths[request.priority] += 1
         self._num_tokens += request.cost_tokens
         if deadline_at is not None:
             heapq.heappush(self._deadlines, (deadline_at, entry.seq, entry))
 
+    def _insert_tenant(self, entry: _Entry) -> None:
+        request = entry.request
+        tenant = request.tenant
+        level = request.priority
+        depths = self._tenant_depths[level]
+        depths[tenant] = depths.get(tenant, 0) + 1
+        fifos = self._tenant_fifos[level]
+        fifo = fifos.get(tenant)
+        if fifo is None:
+            fifos[tenant] = deque((entry,))
+        elif fifo[-1].request.arrival_at <= request.arrival_at:
+            fifo.append(entry)
+        else:  # a retried request, as in _insert
+            position = next(
+                index
+                for index, queued in enumerate(fifo)
+                if queued.request.arrival_at > request.arrival_at
+            )
+            fifo.insert(position, entry)
+        assert self.fair is not None
+        self.fair.arrive(tenant)
+
+    def _remove_tenant(self, entry: _Entry) -> None:
+        """Keeps each tenant FIFO's front alive, so a pick reads it without a scan."""
+        tenant = entry.request.tenant
+        level = entry.request.priority
+        depths = self._tenant_depths[level]
+        left = depths[tenant] - 1
+        if left:
+            depths[tenant] = left
+            fifo = self._tenant_fifos[level][tenant]
+            while not fifo[0].alive:
+                fifo.popleft()
+            if len(fifo) > 2 * left + _COMPACT_SLACK:
+                self._tenant_fifos[level][tenant] = deque(e for e in fifo if e.alive)
+        else:
+            del depths[tenant]
+            del self._tenant_fifos[level][tenant]
+        assert self.fair is not None
+        self.fair.leave(tenant)
+
     def _remove(self, entry: _Entry) -> None:
         entry.alive = False
         del self._live[entry.request.id]
+        if self.fair is not None:
+            self._remove_tenant(entry)
         level = entry.request.priority
         self._depths[level] -= 1
         self._num_tokens -= entry.request.cost_tokens
@@ -526,6 +609,12 @@ class WaitQueue:
         """
         if n == 1:
             return self._select_one(now, levels)
+        if (
+            self.fair is not None
+            and any(len(depths) > 1 for depths in self._tenant_depths)
+            and not (n >= len(self._live) and max_tokens is None and levels is None)
+        ):
+            return self._select_fair(n, now, max_tokens, levels)
         targets = self._targets(levels)
         heads: list[tuple[tuple[float, float, int], int, _Entry, Iterator[_Entry]]] = []
         for level, target in enumerate(targets):
@@ -561,6 +650,7 @@ class WaitQueue:
         served = None if levels is None else _as_set(levels)
         best: _Entry | None = None
         best_key: tuple[float, float, int] | None = None
+        best_aged = False  # the head won by aging: it is taken, whatever its tenant
         target = -1  # the least urgent served level at or above the current one
         for level in range(len(self._fifos)):
             if served is None or level in served:
@@ -582,8 +672,95 @@ class WaitQueue:
                 head.seq,
             )
             if best_key is None or key < best_key:
+                best_aged = target != level or best_key is not None
                 best, best_key = head, key
-        return [] if best is None else [best]
+        if best is None:
+            return []
+        if self.fair is not None and not best_aged:
+            fifos = self._tenant_fifos[best.request.priority]
+            if len(fifos) > 1:
+                return [self._least_served_head(fifos, frozenset(), {})]
+        return [best]
+
+    def _least_served_head(
+        self,
+        fifos: dict[str, deque[_Entry]],
+        taken: frozenset[int] | set[int],
+        extra: dict[str, float],
+    ) -> _Entry:
+        """The oldest request of the level's least-served tenant (ties: the earlier head).
+
+        ``taken`` (seqs) and ``extra`` (counter increments) are a batch pick's own choices
+        so far: ``_select_fair``.
+        """
+        assert self.fair is not None
+        counter = self.fair.counter
+        best: _Entry | None = None
+        best_key: tuple[float, float, int] | None = None
+        for tenant, fifo in fifos.items():
+            head = fifo[0] if not taken else _first_untaken(fifo, taken)
+            if head is None:
+                continue
+            key = (counter(tenant) + extra.get(tenant, 0.0), head.request.arrival_at, head.seq)
+            if best_key is None or key < best_key:
+                best, best_key = head, key
+        assert best is not None  # the level head itself is one of them
+        return best
+
+    def _select_fair(
+        self, n: int, now: float, max_tokens: int | None, levels: Iterable[int] | None
+    ) -> list[_Entry]:
+        """``_select`` with fair sharing and several tenants: ``n`` single picks in a row,
+        each as ``_select_one`` would make it after the ones before (O(n * depth scanned))."""
+        fair = self.fair
+        assert fair is not None
+        aging = self.config.aging
+        served = None if levels is None else _as_set(levels)
+        taken: set[int] = set()
+        extra: dict[str, float] = {}
+        chosen: list[_Entry] = []
+        tokens = 0
+        while len(chosen) < n:
+            best: _Entry | None = None
+            best_key: tuple[float, float, int] | None = None
+            best_aged = False
+            target = -1
+            for level in range(len(self._fifos)):
+                if served is None or level in served:
+                    target = level
+                elif target < 0:
+                    continue
+                head = _first_untaken(self._fifos[level], taken)
+                if head is None:
+                    continue
+                request = head.request
+                if target != level:
+                    at = reaches_level_at(level, target, request.arrival_at, aging)
+                    if at is None or now < at:
+                        continue
+                key = (
+                    effective_priority(request.priority, request.arrival_at, now, aging),
+                    request.arrival_at,
+                    head.seq,
+                )
+                if best_key is None or key < best_key:
+                    best_aged = target != level or best_key is not None
+                    best, best_key = head, key
+            if best is None:
+                break
+            if not best_aged:
+                best = self._least_served_head(
+                    self._tenant_fifos[best.request.priority], taken, extra
+                )
+            cost = best.request.cost_tokens
+            if max_tokens is not None and chosen and tokens + cost > max_tokens:
+                break
+            chosen.append(best)
+            taken.add(best.seq)
+            tokens += cost
+            tenant = best.request.tenant
+            extra[tenant] = extra.get(tenant, 0.0) + fair.scaled(tenant, fair.estimate(cost))
+        return chosen
 
     def _targets(self, levels: Iterable[int] | None) -> list[int]:
         """Per level, the least urgent served level at or above it in urgency; -1 for none."""
@@ -615,6 +792,13 @@ class WaitQueue:
 
 def _as_set(levels: Iterable[int]) -> set[int] | frozenset[int]:
     return levels if isinstance(levels, set | frozenset) else set(levels)
+
+
+def _first_untaken(fifo: deque[_Entry], taken: set[int] | frozenset[int]) -> _Entry | None:
+    for entry in fifo:
+        if entry.alive and entry.seq not in taken:
+            return entry
+    return None
 
 
 def _next_alive(cursor: Iterator[_Entry]) -> _Entry | None:

@@ -84,6 +84,7 @@ class Request:
     deadline_at: float | None = None  # the caller's own deadline; the level's timeout also applies
     cost_tokens: int = 1  # estimated prompt + output tokens, for token budgets
     attempt: int = field(default=0, compare=False)  # 1 on the retry after a replica crash
+    tenant: str = ""  # who it is for (fair sharing inside a level); "": the anonymous tenant
 
     def __post_init__(self) -> None:
         if self.priority < 0:

@@ -1,0 +1,373 @@
+"""Fair sharing inside a level: virtual token counters (core.fairness) and the WaitQueue's
+use of them. Table tests, then Hypothesis properties."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tidegate.core.fairness import FairnessConfig, VirtualTokenCounters
+from tidegate.core.queue import Admitted, AgingConfig, LevelSpec, QueueConfig, WaitQueue
+from tidegate.core.request import Request
+
+NO_AGING = AgingConfig(threshold_s=30.0, rate_per_s=0.0)
+FAIR = FairnessConfig(input_weight=1.0, output_weight=2.0, lag_tokens=0.0)
+
+
+def treq(rid: str, tenant: str, at: float = 0.0, level: int = 0, tokens: int = 1) -> Request:
+    return Request(rid, "m", level, at, cost_tokens=tokens, tenant=tenant)
+
+
+def fair_queue(
+    fairness: FairnessConfig | None = FAIR,
+    aging: AgingConfig = NO_AGING,
+    levels: int = 3,
+    max_size: int = 10_000,
+) -> WaitQueue:
+    specs = tuple(LevelSpec(f"l{i}") for i in range(levels))
+    return WaitQueue(QueueConfig(levels=specs, max_size=max_size, aging=aging, fairness=fairness))
+
+
+def admit_all(queue: WaitQueue, requests: list[Request], now: float = 0.0) -> None:
+    for request in requests:
+        assert isinstance(queue.admit(request, now), Admitted)
+
+
+def pop_ids(queue: WaitQueue, count: int, now: float = 0.0) -> list[str]:
+    ids = []
+    for _ in range(count):
+        popped = queue.pop(1, now)
+        if not popped:
+            break
+        ids.append(popped[0].id)
+    return ids
+
+
+# ----------------------------------------------------------------------- counters
+def test_config_rejects_bad_weights() -> None:
+    with pytest.raises(ValueError, match="weights must be >= 0"):
+        FairnessConfig(input_weight=-1)
+    with pytest.raises(ValueError, match="positive input or output"):
+        FairnessConfig(input_weight=0, output_weight=0)
+    with pytest.raises(ValueError, match="lag_tokens"):
+        FairnessConfig(lag_tokens=-1)
+    with pytest.raises(ValueError, match="share must be > 0"):
+        FairnessConfig(shares=(("a", 0.0),))
+
+
+@pytest.mark.parametrize(
+    ("input_tokens", "output_tokens", "expected"),
+    [(10, 0, 10.0), (0, 10, 20.0), (100, 50, 200.0)],
+)
+def test_cost_weighs_output_twice(input_tokens: int, output_tokens: int, expected: float) -> None:
+    assert FAIR.cost(input_tokens, output_tokens) == expected
+
+
+def test_settle_replaces_the_estimate() -> None:
+    counters = VirtualTokenCounters(FAIR)
+    counters.arrive("a")
+    counters.charge("a", counters.estimate(30))  # picked: estimate 30 at the input weight
+    counters.leave("a")
+    counters.settle("a", 30, input_tokens=10, output_tokens=5)  # served 10 in + 5 out
+    assert counters.counter("a") == pytest.approx(20.0)
+
+
+def test_share_divides_the_charge() -> None:
+    counters = VirtualTokenCounters(FairnessConfig(shares=(("big", 2.0),), lag_tokens=0))
+    counters.charge("big", 100.0)
+    counters.charge("small", 100.0)
+    assert counters.counter("big") == 50.0
+    assert counters.counter("small") == 100.0
+
+
+@pytest.mark.parametrize("lag", [0.0, 300.0, 5000.0])
+def test_newcomer_lifted_to_min_minus_lag(lag: float) -> None:
+    counters = VirtualTokenCounters(FairnessConfig(lag_tokens=lag))
+    for tenant, served in (("a", 1000.0), ("b", 3000.0)):
+        counters.arrive(tenant)
+        counters.charge(tenant, served)
+    least = min(counters.counter("a"), counters.counter("b"))
+    counters.arrive("new")  # never served: lifted to the least backlogged counter - lag
+    assert counters.counter("new") == least - lag
+    counters.charge("new", 10 * lag + 10)
+    before = counters.counter("new")
+    counters.leave("new")
+    counters.arrive("new")  # served more than the others: a lift never lowers a counter
+    assert counters.counter("new") == before
+
+
+def test_idle_tenant_banks_no_more_than_the_lag() -> None:
+    counters = VirtualTokenCounters(FairnessConfig(lag_tokens=100.0))
+    counters.arrive("idle")
+    counters.charge("idle", 10.0)
+    counters.leave("idle")
+    counters.arrive("busy")
+    counters.charge("busy", 10_000.0)
+    counters.arrive("idle")  # comes back after busy was served much more
+    assert counters.counter("idle") == counters.counter("busy") - 100.0
+
+
+def test_lift_with_nobody_backlogged_uses_the_last_counter() -> None:
+    counters = VirtualTokenCounters(FairnessConfig(lag_tokens=50.0))
+    counters.arrive("a")
+    counters.charge("a", 500.0)
+    left_with = counters.counter("a")
+    counters.leave("a")
+    counters.arrive("b")
+    assert counters.counter("b") == left_with - 50.0
+
+
+def test_least_served_ties_go_to_the_first() -> None:
+    counters = VirtualTokenCounters(FAIR)
+    counters.charge("a", 5.0)
+    counters.charge("b", 5.0)
+    counters.charge("c", 9.0)
+    assert counters.least_served(["b", "a", "c"]) == "b"
+    with pytest.raises(ValueError, match="at least one tenant"):
+        counters.least_served([])
+
+
+def test_idle_counters_are_forgotten() -> None:
+    counters = VirtualTokenCounters(FairnessConfig(lag_tokens=0.0))
+    counters.arrive("busy")
+    counters.charge("busy", 1e9)
+    for index in range(1000):
+        tenant = f"t{index}"
+        counters.arrive(tenant)
+        counters.leave(tenant)
+    assert len(counters.describe()) < 200
+
+
+# ----------------------------------------------------------------------- the queue
+def test_flooding_tenant_does_not_delay_a_light_one() -> None:
+    queue = fair_queue()
+    admit_all(queue, [treq(f"heavy{i}", "heavy", at=i * 0.001) for i in range(100)])
+    admit_all(queue, [treq("light0", "light", at=1.0)])
+    # FIFO would pick the light request 101st; VTC picks it as soon as its counter is least.
+    assert pop_ids(queue, 3) == ["heavy0", "light0", "heavy1"]
+
+
+def test_without_fairness_the_level_is_fifo() -> None:
+    queue = fair_queue(fairness=None)
+    admit_all(queue, [treq(f"heavy{i}", "heavy", at=i * 0.001) for i in range(5)])
+    admit_all(queue, [treq("light0", "light", at=1.0)])
+    assert pop_ids(queue, 6)[-1] == "light0"
+    assert queue.tenants() == {}
+
+
+def test_round_robin_between_equal_tenants() -> None:
+    queue = fair_queue()
+    admit_all(queue, [treq(f"a{i}", "a", at=i) for i in range(3)])
+    admit_all(queue, [treq(f"b{i}", "b", at=10 + i) for i in range(3)])
+    assert pop_ids(queue, 6) == ["a0", "b0", "a1", "b1", "a2", "b2"]
+
+
+def test_costs_are_shared_by_tokens_not_requests() -> None:
+    queue = fair_queue()
+    admit_all(queue, [treq(f"big{i}", "big", at=i, tokens=30) for i in range(3)])
+    admit_all(queue, [treq(f"small{i}", "small", at=10 + i, tokens=10) for i in range(9)])
+    order = pop_ids(queue, 8)
+    # After big0 (30 tokens), small is served three requests (30 tokens) before big1.
+    assert order == ["big0", "small0", "small1", "small2", "big1", "small3", "small4", "small5"]
+
+
+def test_levels_still_come_first() -> None:
+    queue = fair_queue()
+    admit_all(queue, [treq("low", "light", at=0.0, level=2)])
+    admit_all(queue, [treq(f"high{i}", "heavy", at=1 + i, level=0) for i in range(3)])
+    assert pop_ids(queue, 4, now=5.0) == ["high0", "high1", "high2", "low"]
+
+
+def test_aged_head_is_taken_whatever_its_tenant() -> None:
+    aging = AgingConfig(threshold_s=1.0, rate_per_s=1.0)
+    queue = fair_queue(aging=aging)
+    # Medium: heavy's old request (aged to high at t=2) ahead of light's fresh one.
+    admit_all(queue, [treq("old", "heavy", at=0.0, level=1)], now=0.0)
+    queue.pop(1, 0.0)  # nothing else yet: heavy is charged, its counter is now above light's
+    admit_all(queue, [treq("aged", "heavy", at=0.0, level=1)], now=0.0)
+    admit_all(queue, [treq("fresh", "light", at=4.0, level=1)], now=4.0)
+    admit_all(queue, [treq("high", "other", at=4.0, level=0)], now=4.0)
+    # At t=4, "aged" has effective priority 0 and arrived before "high": its level wins by
+    # aging, so its head is taken, not light's fresh request (light's counter is least).
+    assert queue.pop(1, 4.0)[0].id == "aged"
+    assert pop_ids(queue, 2, now=4.0) == ["high", "fresh"]
+
+
+def test_restricted_pick_takes_the_aged_head() -> None:
+    aging = AgingConfig(threshold_s=1.0, rate_per_s=1.0)
+    queue = fair_queue(aging=aging)
+    admit_all(queue, [treq("h0", "heavy", at=0.0, level=1)])
+    queue.pop(1, 0.0)
+    admit_all(queue, [treq("h1", "heavy", at=0.0, level=1), treq("l1", "light", at=0.5, level=1)])
+    # A high-only pool: only what has aged to high may go, the head h1 (aged at t=2).
+    assert queue.pop(1, 2.0, levels={0})[0].id == "h1"
+    assert queue.pop(1, 2.0, levels={0}) == ()  # l1 reaches high at 2.5
+    assert queue.pop(1, 2.0, levels={1})[0].id == "l1"
+
+
+def test_requeue_refunds_and_settle_corrects() -> None:
+    queue = fair_queue()
+    admit_all(queue, [treq("a0", "a", tokens=100), treq("b0", "b", tokens=10)])
+    (a0,) = queue.pop(1, 0.0)
+    assert queue.tenants()["a"]["counter"] == 100.0
+    queue.requeue(a0, 0.0)
+    assert queue.tenants()["a"]["counter"] == 0.0
+    (first,) = queue.pop(1, 0.0)
+    queue.settle(first, input_tokens=20, output_tokens=10)  # 20 + 2 * 10 = 40, not 100
+    assert queue.tenants()[first.tenant]["counter"] == 40.0
+
+
+def test_batch_pick_shares_too() -> None:
+    queue = fair_queue()
+    admit_all(queue, [treq(f"a{i}", "a", at=i) for i in range(4)])
+    admit_all(queue, [treq(f"b{i}", "b", at=10 + i) for i in range(4)])
+    assert [r.id for r in queue.peek(4, 0.0)] == ["a0", "b0", "a1", "b1"]
+    assert [r.id for r in queue.pop(4, 0.0, max_tokens=3)] == ["a0", "b0", "a1"]
+    assert len(queue) == 5
+
+
+def test_tenant_views() -> None:
+    queue = fair_queue()
+    admit_all(queue, [treq("a0", "a"), treq("a1", "a"), treq("b0", "b", level=1)])
+    assert queue.tenant_depths(0) == {"a": 2}
+    assert queue.tenants()["a"]["queued"] == 2
+    queue.cancel("a0")
+    queue.cancel("b0")
+    assert queue.tenant_depths(0) == {"a": 1}
+    assert queue.tenant_depths(1) == {}
+
+
+# ----------------------------------------------------------------------- properties
+OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("admit"),
+            st.integers(0, 2),  # level
+            st.sampled_from(["", "a", "b", "c"]),
+            st.integers(0, 50),  # tokens
+        ),
+        st.tuples(st.just("pop"), st.integers(1, 4), st.none(), st.none()),
+        st.tuples(st.just("cancel"), st.integers(0, 40), st.none(), st.none()),
+        st.tuples(st.just("requeue"), st.none(), st.none(), st.none()),
+        st.tuples(st.just("tick"), st.integers(1, 20), st.none(), st.none()),
+    ),
+    max_size=80,
+)
+
+AGING = AgingConfig(threshold_s=3.0, rate_per_s=0.5)
+
+
+def run_ops(
+    queue: WaitQueue, ops: list[tuple[object, ...]], one_tenant: bool = False
+) -> tuple[list[object], dict[str, int]]:
+    """Apply ``ops``; returns what the queue answered, and per id how many times it left."""
+    now = 0.0
+    answers: list[object] = []
+    left: dict[str, int] = {}
+    admitted: list[str] = []
+    dispatched: list[Request] = []
+    for index, (op, a, b, c) in enumerate(ops):
+        if op == "admit":
+            assert isinstance(a, int)
+            assert isinstance(b, str)
+            assert isinstance(c, int)
+            tenant = "" if one_tenant else b
+            request = Request(
+                f"r{index}", "m", a, now, deadline_at=now + 40, cost_tokens=c, tenant=tenant
+            )
+            decision = queue.admit(request, now)
+            answers.append(type(decision).__name__)
+            if isinstance(decision, Admitted):
+                admitted.append(request.id)
+                left.setdefault(request.id, 0)
+                for victim in decision.shed:
+                    left[victim.id] += 1
+        elif op == "pop":
+            assert isinstance(a, int)
+            popped = queue.pop(a, now, max_tokens=60)
+            answers.append([r.id for r in popped])
+            for request in popped:
+                left[request.id] += 1
+            dispatched.extend(popped)
+        elif op == "cancel" and admitted:
+            assert isinstance(a, int)
+            rid = admitted[a % len(admitted)]
+            cancelled = queue.cancel(rid)
+            answers.append(None if cancelled is None else cancelled.id)
+            if cancelled is not None:
+                left[rid] += 1
+        elif op == "requeue" and dispatched:
+            request = dispatched.pop()
+            queue.requeue(request, now)
+            left[request.id] -= 1  # back in: it will leave again
+        elif op == "tick":
+            assert isinstance(a, int)
+            now += a * 0.5
+            expired = queue.expire(now)
+            answers.append([r.id for r in expired])
+            for request in expired:
+                left[request.id] += 1
+    drained = queue.pop(len(queue) + 1, now)
+    for request in drained:
+        left[request.id] += 1
+    assert len(queue) == 0
+    return answers, left
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS)
+def test_every_admitted_request_leaves_exactly_once(ops: list[tuple[object, ...]]) -> None:
+    queue = fair_queue(fairness=FairnessConfig(lag_tokens=20.0), aging=AGING, max_size=12)
+    _, left = run_ops(queue, ops)
+    assert all(count == 1 for count in left.values()), left
+    assert queue.tenants() == {} or all(t["queued"] == 0 for t in queue.tenants().values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS)
+def test_one_tenant_picks_exactly_as_fifo(ops: list[tuple[object, ...]]) -> None:
+    fair = fair_queue(fairness=FairnessConfig(), aging=AGING, max_size=12)
+    fifo = fair_queue(fairness=None, aging=AGING, max_size=12)
+    assert run_ops(fair, ops, one_tenant=True) == run_ops(fifo, ops, one_tenant=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 20), min_size=1, max_size=60),  # cost of each tenant's requests
+    st.integers(2, 5),  # tenants
+    st.integers(1, 200),  # picks
+)
+def test_no_tenant_starves(costs: list[int], num_tenants: int, picks: int) -> None:
+    """Every tenant stays backlogged: the counters never drift apart by more than the
+    largest single charge, so none waits longer than the others' share of it."""
+    queue = fair_queue(fairness=FairnessConfig(lag_tokens=0.0))
+    tenants = [f"t{i}" for i in range(num_tenants)]
+    for tenant in tenants:
+        admit_all(
+            queue,
+            [
+                treq(f"{tenant}-{i}", tenant, at=i, tokens=costs[(i + len(tenant)) % len(costs)])
+                for i in range(picks + 1)
+            ],
+        )
+    served: dict[str, int] = dict.fromkeys(tenants, 0)
+    for _ in range(picks):
+        (request,) = queue.pop(1, 0.0)
+        served[request.tenant] += 1
+        counters = [queue.tenants()[tenant]["counter"] for tenant in tenants]
+        assert max(counters) - min(counters) <= max(costs)
+    if picks >= num_tenants * max(costs):
+        assert min(served.values()) >= 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 100), st.integers(1, 4), st.floats(0.0, 500.0))
+def test_newcomer_served_within_one_round(backlog: int, others: int, lag: float) -> None:
+    queue = fair_queue(fairness=FairnessConfig(lag_tokens=lag))
+    for index in range(others):
+        tenant = f"t{index}"
+        admit_all(queue, [treq(f"{tenant}-{i}", tenant, at=i) for i in range(backlog + 5)])
+    pop_ids(queue, backlog)
+    admit_all(queue, [treq("new", "newcomer", at=1000.0)])
+    assert "new" in pop_ids(queue, others + 1)
