@@ -60,6 +60,14 @@ def render_config(config: TidegateConfig) -> str:
             }
             for key in config.keys
         ],
+        "tenancy": {
+            "header": config.tenancy.header,
+            "fair_sharing": config.tenancy.fair_sharing,
+            "input_weight": config.tenancy.fairness.input_weight,
+            "output_weight": config.tenancy.fairness.output_weight,
+            "lag_tokens": config.tenancy.fairness.lag_tokens,
+            "weights": dict(config.tenancy.fairness.shares),
+        },
     }
     header = [f"# tidegate configuration from {config.source}: valid; defaults filled in."]
     if config.fifo:

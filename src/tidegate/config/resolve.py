@@ -24,6 +24,7 @@ from tidegate.config.schema import (
     _PrioritiesIn,
     _QueueIn,
     _RateLimitIn,
+    _TenancyIn,
 )
 from tidegate.config.values import (
     _DEVICE_RE,
@@ -33,6 +34,7 @@ from tidegate.config.values import (
     DEFAULT_HOLDBACK,
     DEFAULT_LEVELS,
     DEFAULT_POOL,
+    TENANT_RE,
     BatchingSpec,
     GatewaySettings,
     KeySpec,
@@ -40,9 +42,11 @@ from tidegate.config.values import (
     PoolConfig,
     QueueSpec,
     RateLimitSpec,
+    TenancySettings,
     TidegateConfig,
     UpstreamKey,
 )
+from tidegate.core.fairness import FairnessConfig
 from tidegate.core.outliers import OutlierConfig
 from tidegate.core.placement import Device
 from tidegate.core.queue import AgingConfig
@@ -73,6 +77,22 @@ def _url_root(url: str) -> str | None:
     if path.endswith("/v1"):
         path = path[: -len("/v1")]
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+# Headers whose meaning is fixed: a tenant header must be another one.
+_RESERVED_HEADERS = frozenset(
+    {
+        "authorization",
+        "content-type",
+        "content-length",
+        "host",
+        "x-priority",
+        "x-request-id",
+        "x-tidegate-priority",
+        "transfer-encoding",
+        "connection",
+    }
+)
 
 
 class _Resolver:
@@ -142,6 +162,41 @@ class _Resolver:
             notes=tuple(self.notes),
             devices=self.inventory,
             controller=self.control.controller(raw.controller),
+            tenancy=self._tenancy(raw.tenancy),
+        )
+
+    def _tenancy(self, raw: _TenancyIn | None) -> TenancySettings:
+        """The trusted tenant header (not one tidegate reads for itself) and VTC's weights."""
+        raw = raw or _TenancyIn()
+        header = None if raw.header is None else raw.header.lower()
+        if header in _RESERVED_HEADERS:
+            self.fail(
+                "tenancy.header",
+                f"{raw.header} is a header tidegate or HTTP already gives a meaning",
+                "name a header of your own for the tenant, e.g. X-Tenant",
+            )
+        for tenant in raw.weights:
+            if not TENANT_RE.match(tenant):
+                self.fail(
+                    f"tenancy.weights.{tenant}",
+                    f"tenant {tenant!r} is not a valid tenant name",
+                    "use 1-64 characters of letters, digits and . _ : @ -",
+                )
+        if raw.input_weight == 0 and raw.output_weight == 0:
+            self.fail(
+                "tenancy.input_weight",
+                "input_weight and output_weight are both 0: no service would count",
+                "give input_weight or output_weight a positive value (VTC uses 1 and 2)",
+            )
+        return TenancySettings(
+            header=header,
+            fair_sharing=raw.fair_sharing,
+            fairness=FairnessConfig(
+                input_weight=raw.input_weight,
+                output_weight=raw.output_weight,
+                lag_tokens=raw.lag_tokens,
+                shares=tuple(sorted(raw.weights.items())),
+            ),
         )
 
     # ------------------------------------------------------------ priorities

@@ -186,6 +186,17 @@ class _KeyIn(_Strict):
     rate_limit: _RateLimitIn | None = None
 
 
+class _TenancyIn(_Strict):
+    """Who a request is for (fair sharing inside a level, core.fairness)."""
+
+    header: Annotated[str, Field(pattern=r"^[A-Za-z0-9-]+$", max_length=64)] | None = None
+    fair_sharing: bool = False
+    input_weight: NonNegativeFloat = 1.0
+    output_weight: NonNegativeFloat = 2.0
+    lag_tokens: NonNegativeFloat = 1000.0
+    weights: dict[str, PositiveFloat] = Field(default_factory=dict)  # tenant -> share
+
+
 class _ConfigIn(_Strict):
     gateway: _GatewayIn | None = None
     priorities: _PrioritiesIn | None = None
@@ -194,3 +205,4 @@ class _ConfigIn(_Strict):
     controller: _ControllerIn | None = None
     models: Annotated[list[_ModelIn], Field(min_length=1)] | None = None
     keys: list[_KeyIn] | None = None
+    tenancy: _TenancyIn | None = None

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from tidegate.core.autoscale import AutoscaleConfig
 from tidegate.core.batching import BatchConfig
+from tidegate.core.fairness import FairnessConfig
 from tidegate.core.outliers import OutlierConfig
 from tidegate.core.placement import Device
 from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
@@ -31,6 +32,8 @@ FIFO_LEVEL = "fifo"  # name of the single queue level under the fifo policy
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda:[0-9]+)$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+# A tenant name (a trusted header's value, or a key's name): what /stats and metrics show.
+TENANT_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,64}$")
 _LOOPBACK_HOSTS = ("localhost", "::1")
 
 # ----------------------------------------------------------------------------- resolved values
@@ -48,6 +51,15 @@ class GatewaySettings:
     metrics_auth: str = "open"  # who may read /metrics: "open", "key" (any key) or "admin"
     # passive ejection of replicas that keep failing (core.outliers)
     outlier_detection: OutlierConfig = field(default_factory=OutlierConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class TenancySettings:
+    """Who a request is for: the trusted header's value, else its API key's name, else ""."""
+
+    header: str | None = None  # lower-case; None: a client-sent tenant header is ignored
+    fair_sharing: bool = False  # VTC inside a level (core.fairness); False: FIFO in a level
+    fairness: FairnessConfig = field(default_factory=FairnessConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +198,7 @@ class TidegateConfig:
     notes: tuple[str, ...] = ()  # things worth knowing that are not errors
     devices: tuple[Device, ...] = ()  # the declared inventory; empty: NVML (or cpu) decides
     controller: ControllerSettings = ControllerSettings()
+    tenancy: TenancySettings = TenancySettings()
 
     # ------------------------------------------------------------ priorities
     @property
@@ -266,6 +279,7 @@ class TidegateConfig:
                 levels=(LevelSpec(FIFO_LEVEL),),
                 max_size=queue.max_size,
                 aging=AgingConfig(threshold_s=self.aging.threshold_s, rate_per_s=0.0),
+                fairness=self.fairness,
             )
         levels = tuple(
             LevelSpec(
@@ -276,7 +290,14 @@ class TidegateConfig:
             )
             for name in self.levels
         )
-        return QueueConfig(levels=levels, max_size=queue.max_size, aging=self.aging)
+        return QueueConfig(
+            levels=levels, max_size=queue.max_size, aging=self.aging, fairness=self.fairness
+        )
+
+    @property
+    def fairness(self) -> FairnessConfig | None:
+        """The queues' fair sharing between tenants inside a level; None: FIFO in a level."""
+        return self.tenancy.fairness if self.tenancy.fair_sharing else None
 
     def batch_config(self, model_name: str) -> BatchConfig:
         batching = self.model(model_name).batching

@@ -1,0 +1,70 @@
+"""Config: the tenancy section (who a request is for; fair sharing inside a level)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.test_config import SOURCE, parse
+from tidegate.config import parse_config, render_config
+from tidegate.core.fairness import FairnessConfig
+from tidegate.errors import ConfigError
+
+
+def test_default_is_no_header_and_fifo_in_a_level() -> None:
+    config = parse({})
+    assert config.tenancy.header is None
+    assert config.fairness is None
+    assert config.queue_config(next(iter(config.models))).fairness is None
+
+
+def test_tenancy_resolved_and_given_to_every_queue() -> None:
+    config = parse(
+        {
+            "tenancy": {
+                "header": "X-Tenant",
+                "fair_sharing": True,
+                "output_weight": 4,
+                "lag_tokens": 50,
+                "weights": {"acme": 2.0, "team.b": 0.5},
+            }
+        }
+    )
+    assert config.tenancy.header == "x-tenant"  # headers arrive lower-cased
+    expected = FairnessConfig(
+        input_weight=1.0,
+        output_weight=4.0,
+        lag_tokens=50.0,
+        shares=(("acme", 2.0), ("team.b", 0.5)),
+    )
+    assert config.fairness == expected
+    for model in config.models:
+        assert config.queue_config(model).fairness == expected
+    assert parse_config(yaml.safe_load(render_config(config)), SOURCE) == config
+
+
+@pytest.mark.parametrize(
+    ("tenancy", "key", "problem", "fix"),
+    [
+        ({"header": "Authorization"}, "tenancy.header", "already gives a meaning", "X-Tenant"),
+        ({"header": "X-Priority"}, "tenancy.header", "already gives a meaning", "of your own"),
+        ({"header": "X Tenant"}, "tenancy.header", "not a valid name", ""),
+        ({"weights": {"a b": 1.0}}, "tenancy.weights.a b", "not a valid tenant", "letters"),
+        ({"weights": {"a": 0}}, "tenancy.weights.a", "out of range", "> 0"),
+        ({"input_weight": 0, "output_weight": 0}, "tenancy.input_weight", "both 0", "VTC"),
+        ({"lag": 5}, "tenancy.lag", "unknown key", "lag_tokens"),
+    ],
+)
+def test_bad_tenancy_names_file_key_and_fix(
+    tenancy: dict[str, Any], key: str, problem: str, fix: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse({"tenancy": tenancy})
+    error = info.value
+    assert error.file == SOURCE
+    assert error.key == key
+    text, _, fix_text = error.message.partition(". Fix: ")
+    assert problem in text
+    assert fix in fix_text
