@@ -258,7 +258,7 @@ def simulated_side(
     at = {str(index): a.arrival_s for index, a in enumerate(arrivals)}
     first = arrivals[0].arrival_s
     last = first
-    for name in {stats.name for stats in result.recorder.classes}:
+    for name in [stats.name for stats in result.recorder.classes]:  # the config's order
         side.statuses.setdefault(name, Counter())
         side.e2e_s.setdefault(name, [])
         side.ttft_s.setdefault(name, [])
@@ -346,7 +346,7 @@ def compare(
     t = tolerances or Tolerances()
     figures: list[Figure] = []
     metrics = ("ttft", "e2e") if task == "generate" else ("e2e",)
-    for cls in _ordered(measured.statuses, simulated.statuses):
+    for cls in _ordered(simulated.statuses, measured.statuses):
         for metric in metrics:
             real = getattr(measured, f"{metric}_s").get(cls, [])
             sim = getattr(simulated, f"{metric}_s").get(cls, [])
