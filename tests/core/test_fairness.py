@@ -227,6 +227,26 @@ def test_batch_pick_shares_too() -> None:
     assert len(queue) == 5
 
 
+def test_full_level_sheds_the_flooding_tenant() -> None:
+    queue = fair_queue(max_size=4)
+    admit_all(queue, [treq(f"heavy{i}", "heavy", at=i) for i in range(4)])
+    decision = queue.admit(treq("light0", "light", at=10), 10.0)
+    assert isinstance(decision, Admitted)
+    assert [r.id for r in decision.shed] == ["heavy3"]  # its newest
+    decision = queue.admit(treq("light1", "light", at=11), 11.0)
+    assert isinstance(decision, Admitted)
+    assert [r.id for r in decision.shed] == ["heavy2"]
+    # Now heavy holds 2 and light 2: nobody holds more, the next arrival is refused.
+    assert not isinstance(queue.admit(treq("light2", "light", at=12), 12.0), Admitted)
+    assert not isinstance(queue.admit(treq("heavy9", "heavy", at=12), 12.0), Admitted)
+
+
+def test_full_level_without_fairness_refuses() -> None:
+    queue = fair_queue(fairness=None, max_size=2)
+    admit_all(queue, [treq(f"heavy{i}", "heavy", at=i) for i in range(2)])
+    assert not isinstance(queue.admit(treq("light0", "light", at=10), 10.0), Admitted)
+
+
 def test_tenant_views() -> None:
     queue = fair_queue()
     admit_all(queue, [treq("a0", "a"), treq("a1", "a"), treq("b0", "b", level=1)])

@@ -351,7 +351,8 @@ class WaitQueue:
 
         Checks, in order: graded holdback, a deadline the predicted wait already misses,
         then capacity (shedding the newest request of the least urgent level present when
-        the arrival is more urgent).
+        the arrival is more urgent; with fair sharing, else the newest of the tenant that
+        holds the most of the arrival's level, when that is another tenant holding more).
         """
         level = self._check_level(request)
         if request.id in self._live:
@@ -377,16 +378,19 @@ class WaitQueue:
                     f"predicted queue wait {wait_s:.1f}s exceeds the deadline "
                     f"({max(0.0, deadline_at - now):.1f}s away)",
                 )
-        if spec.max_size is not None and self._depths[level] >= spec.max_size:
-            return self._reject(
-                request,
-                RequestState.REJECTED_FULL,
-                self.predicted_wait_s(level, now),
-                f"queue for priority {spec.name} is full ({spec.max_size})",
-            )
         shed: tuple[Request, ...] = ()
+        if spec.max_size is not None and self._depths[level] >= spec.max_size:
+            victim = self._evict_heaviest(request)
+            if victim is None:
+                return self._reject(
+                    request,
+                    RequestState.REJECTED_FULL,
+                    self.predicted_wait_s(level, now),
+                    f"queue for priority {spec.name} is full ({spec.max_size})",
+                )
+            shed = (victim,)
         if len(self._live) >= self.config.max_size:
-            victim = self._evict_newest_below(level)
+            victim = self._evict_newest_below(level) or self._evict_heaviest(request)
             if victim is None:
                 return self._reject(
                     request,
@@ -394,7 +398,7 @@ class WaitQueue:
                     self.predicted_wait_s(level, now),
                     f"queue is full ({self.config.max_size}) with nothing less urgent to shed",
                 )
-            shed = (victim,)
+            shed = (*shed, victim)
         self._insert(request, deadline_at)
         self._tally[level][_QUEUED] += 1
         return Admitted(request, deadline_at, shed)
@@ -590,6 +594,30 @@ class WaitQueue:
             self._count(victim_level, RequestState.SHED)
             return entry.request
         return None
+
+    def _evict_heaviest(self, request: Request) -> Request | None:
+        """Fair sharing, a full level: shed the newest request of the tenant that holds the
+        most of ``request``'s level, when it holds more than one beyond the arrival's tenant.
+
+        Why: without it a flooding tenant fills the queue and every other tenant of its level
+        is refused at the door, which no pick order can undo. None without fairness.
+        """
+        if self.fair is None:
+            return None
+        level = request.priority
+        depths = self._tenant_depths[level]
+        if not depths:
+            return None
+        heaviest = max(depths, key=depths.__getitem__)
+        if heaviest == request.tenant or depths[heaviest] <= depths.get(request.tenant, 0) + 1:
+            return None
+        fifo = self._tenant_fifos[level][heaviest]
+        while not fifo[-1].alive:
+            fifo.pop()
+        entry = fifo[-1]
+        self._remove(entry)
+        self._count(level, RequestState.SHED)
+        return entry.request
 
     def _front(self, level: int) -> _Entry | None:
         """The oldest live entry of ``level``, dropping dead entries ahead of it."""

@@ -14,7 +14,9 @@ Mirrors ``tidegate.gateway.dispatcher`` step by step, with the kernel's clock:
   can take (its own level or one it has aged to), route it with ``pick_replica`` (its own
   level's pools first, else those of a level it has aged to); a replica holds at most
   ``slots``;
-- release: a finished request frees its slot and feeds the queue's ``DrainRate``;
+- release: a finished request frees its slot and feeds the queue's ``DrainRate``; a completed
+  one's tokens settle its tenant's fair-share counter (``WaitQueue.settle``), as the
+  dispatcher's ``release`` does with an answer's usage;
 - prefix affinity (``affinity`` set, ``core.prefix``): ``pick_replica`` gets the ticket's
   ``prefix_key`` (the leading blocks of its prompt), as the dispatcher passes the key the
   gateway computed from the request.
@@ -145,11 +147,19 @@ class SimGateway:
         self.on_demand()
         return True
 
-    def release(self, replica_id: str, count: int, completed: bool) -> None:
-        """``count`` requests on ``replica_id`` finished now: free their slots, dispatch."""
+    def release(
+        self, replica_id: str, count: int, completed: bool, served: Sequence[Ticket] = ()
+    ) -> None:
+        """``count`` requests on ``replica_id`` finished now: free their slots, dispatch.
+
+        ``served``: the completed ones, whose tokens settle their tenants' counters.
+        """
         self.replicas.free(replica_id, count)
         if completed:
             self.queue.drain.record(self.kernel.time, count)
+        if self.queue.fair is not None:
+            for ticket in served:
+                self.queue.settle(ticket.request, ticket.prompt_tokens, ticket.output_tokens)
         self.dispatch(self.kernel.time)
 
     def retry(self, tickets: Sequence[Ticket], replica_id: str) -> None:

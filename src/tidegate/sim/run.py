@@ -283,7 +283,9 @@ class Simulation:
             self.recorder.first_arrival_at = now
         prompt = arrival.prompt_tokens
         output = arrival.output_tokens
-        request = Request(str(index), self._model, level, now, None, prompt + output)
+        request = Request(
+            str(index), self._model, level, now, None, prompt + output, tenant=arrival.tenant
+        )
         blocks = arrival.blocks
         key = None
         if blocks and self.scenario.affinity is not None:
@@ -395,7 +397,7 @@ class Simulation:
                 now,
                 ticket.output_tokens,
             )
-        self.gateway.release(replica_id, len(tickets), completed=True)
+        self.gateway.release(replica_id, len(tickets), completed=True, served=tickets)
 
     def refused(self, replica_id: str, ticket: Ticket) -> None:
         self.abandoned(replica_id, [ticket])
