@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -25,12 +25,11 @@ from starlette.types import Receive, Scope, Send
 
 from tidegate import wire
 from tidegate.asgi import (
+    CLIENT_CLOSED_REQUEST,
     SSE_DONE,
     ClientGone,
     ClientWatch,
     decode_json,
-    error_response,
-    internal_error_response,
     sse,
 )
 from tidegate.core.request import Request as CoreRequest
@@ -42,6 +41,7 @@ from tidegate.errors import (
     ReplicaFailed,
     TidegateError,
 )
+from tidegate.fastroute import Reply, error_reply
 from tidegate.gateway.auth import authenticate, requested_level
 from tidegate.gateway.dispatcher import ModelDispatcher, Ticket
 from tidegate.gateway.proxy import ConnectFailed, Forwarded, ReplicaGone, forward
@@ -83,8 +83,8 @@ OWN_HEADERS = {b"x-request-id", b"x-tidegate-queue-ms"}  # the gateway's, never 
 
 
 class _Passed(Response):
-    """A replica's whole answer, passed on as it came: its headers are already ASGI's, so
-    none of ``Response``'s own header building."""
+    """A whole answer passed on as it is: its headers are already ASGI's, so none of
+    ``Response``'s own header building."""
 
     def __init__(self, status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         self.status_code = status
@@ -94,41 +94,65 @@ class _Passed(Response):
 
 
 async def serve_proxy(gateway: Gateway, scope: Scope, receive: Receive, send: Send) -> None:
-    """The proxy routes as a bare ASGI app: the gateway's app hands them over before any
-    routing, middleware or dependency resolution of FastAPI's (a tenth of the gateway's CPU
-    per request). The routes stay registered with FastAPI for the OpenAPI document."""
+    """The proxy routes as a bare ASGI app, for a gateway served by an ASGI server that is
+    not ``tidegate serve``'s (tests run it in process): the gateway's app hands them over
+    before any routing, middleware or dependency resolution of FastAPI's. ``tidegate
+    serve`` takes them off the HTTP protocol before ASGI (``gateway.http``). The routes stay
+    registered with FastAPI for the OpenAPI document."""
     request = Request(scope, receive)
-    try:
-        response = await proxy_request(gateway, request)
-    except Exception:  # a bug: answered 500 as FastAPI's handlers would; counted as failed
-        response = internal_error_response(request)
-    await response(scope, receive, send)
+    reply = await proxy_call(gateway, scope["path"], request.headers, await request.body(), receive)
+    await asgi_response(reply)(scope, receive, send)
 
 
 async def proxy_request(gateway: Gateway, request: Request) -> Response:
-    rid = request.headers.get("x-request-id") or f"req-{os.urandom(16).hex()}"
-    call = _Call(rid=rid, watch=ClientWatch(request.receive))
+    """The proxy loop for a Starlette request (FastAPI's route, for the document)."""
+    body = await request.body()
+    reply = await proxy_call(gateway, request.url.path, request.headers, body, request.receive)
+    return asgi_response(reply)
+
+
+def asgi_response(reply: Reply) -> Response:
+    if reply.chunks is None:
+        return _Passed(reply.status, reply.headers, reply.body)
+    return StreamingResponse(
+        reply.chunks,
+        reply.status,
+        headers={n.decode("latin-1"): v.decode("latin-1") for n, v in reply.headers},
+        media_type="text/event-stream",
+    )
+
+
+async def proxy_call(
+    gateway: Gateway, path: str, headers: Mapping[str, str], body: bytes, receive: Receive
+) -> Reply:
+    """One request to a proxy route, from its (lower-case) headers and whole body to its
+    answer; ``receive`` shows the client going away. Never raises but for cancellation: a
+    bug is logged and answered 500, and every outcome is counted once."""
+    rid = headers.get("x-request-id") or f"req-{os.urandom(16).hex()}"
+    call = _Call(rid=rid, watch=ClientWatch(receive))
     try:
-        response = await _admit_and_forward(gateway, request, call)
+        reply = await _admit_and_forward(gateway, path, headers, body, call)
     except ClientGone:
         call.outcome = call.outcome or "cancelled"
-        response = Response(status_code=499)
+        reply = Reply(CLIENT_CLOSED_REQUEST, [])
     except TidegateError as exc:
         call.outcome = call.outcome or outcome_of(exc)
-        response = error_response(exc, call.headers())
+        reply = error_reply(exc, call.headers())
     except asyncio.CancelledError:  # the server is cancelling this handler
         call.outcome = call.outcome or "cancelled"
         _count(gateway, call)
         raise
-    except Exception:  # a bug: the error handler answers 500; the outcome is still counted
+    except Exception:  # a bug: 500, the details for the log only; still counted
         call.outcome = "failed"
-        _count(gateway, call)
-        raise
+        log.exception("unexpected error on POST %s", path)
+        reply = error_reply(
+            TidegateError("internal error: the server failed on this request; it is logged")
+        )
     finally:
-        await call.watch.close()  # the response's own sending watches the client from here
+        await call.watch.close()  # the answer's own sending watches the client from here
     if call.outcome != "streaming":  # a stream counts its outcome when it ends
         _count(gateway, call)
-    return response
+    return reply
 
 
 def outcome_of(exc: TidegateError) -> str:
@@ -149,13 +173,13 @@ def _count(gateway: Gateway, call: _Call) -> None:
     gateway.metrics.requests.labels(call.model, call.priority, call.outcome).inc()
 
 
-async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) -> Response:
+async def _admit_and_forward(
+    gateway: Gateway, path: str, headers_in: Mapping[str, str], raw: bytes, call: _Call
+) -> Reply:
     config = gateway.config
-    headers_in = request.headers
     key = authenticate(config, headers_in)
     if gateway.shutting_down:
         raise NotReady("the gateway is shutting down", code="shutting_down")
-    raw = await request.body()
     if len(raw) > config.gateway.max_request_bytes:
         raise PromptTooLong(
             f"request body of {len(raw)} bytes is over the limit of "
@@ -171,7 +195,6 @@ async def _admit_and_forward(gateway: Gateway, request: Request, call: _Call) ->
         if named is not None and not named.local
         else wire.REQUEST_OF_PATH
     )
-    path = request.scope["path"]
     parsed = wire.parse(schemas[path], payload)
     model = parsed.model
     if model not in gateway.dispatchers:
@@ -318,7 +341,7 @@ def _respond(
     replica: Replica,
     forwarded: Forwarded,
     call: _Call,
-) -> Response:
+) -> Reply:
     headers = [(n, v) for n, v in forwarded.headers if n not in OWN_HEADERS]
     headers += call.raw_headers()
     e2e = gateway.metrics.request_duration.labels(call.model, call.priority, "e2e").observe
@@ -330,7 +353,7 @@ def _respond(
             else ("invalid" if forwarded.status < 500 else "failed")
         )
         e2e(time.monotonic() - call.started)
-        return _Passed(forwarded.status, headers, forwarded.body or b"")
+        return Reply(forwarded.status, headers, forwarded.body or b"")
 
     chunks = forwarded.chunks
 
@@ -364,12 +387,7 @@ def _respond(
             _count(gateway, call)
 
     call.outcome = "streaming"  # counted when the stream ends, not now
-    return StreamingResponse(
-        passthrough(),
-        forwarded.status,
-        headers={n.decode("latin-1"): v.decode("latin-1") for n, v in headers},
-        media_type="text/event-stream",
-    )
+    return Reply(forwarded.status, headers, chunks=passthrough())
 
 
 def estimate_tokens(body: wire.EndpointRequest) -> int:

@@ -20,18 +20,19 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
 import uvicorn
-from starlette.types import Scope
+from starlette.types import Receive, Scope
 
 from tidegate.config import TidegateConfig
 from tidegate.control.health import UpstreamHealth
 from tidegate.control.local import LocalWorkers
+from tidegate.fastroute import FastRoutes, Reply
 from tidegate.gateway.app import Gateway, create_gateway_app
-from tidegate.gateway.forward import TASK_OF_PATH
+from tidegate.gateway.forward import TASK_OF_PATH, proxy_call
 from tidegate.worker.server import ReadLimits, address_of, bind, limited_app, server_config
 
 log = logging.getLogger("tidegate.gateway")
@@ -135,11 +136,13 @@ def serve_gateway(config: TidegateConfig, log_level: str = "info") -> int:
         body_timeout_s=settings.body_timeout_s,
         max_request_bytes=settings.max_request_bytes,
     )
-    app = limited_app(create_gateway_app(gateway), limits, _counter_of_refusals(gateway))
+    count_refusal = _counter_of_refusals(gateway)
+    app = limited_app(create_gateway_app(gateway), limits, count_refusal)
     uv_config = server_config(
         app,
         limits,
         log_level,
+        fast_routes=proxy_routes(gateway, limits, count_refusal),
         host=settings.host,
         port=settings.port,
         timeout_graceful_shutdown=SHUTDOWN_FLUSH_S,
@@ -164,6 +167,26 @@ def serve_gateway(config: TidegateConfig, log_level: str = "info") -> int:
             cut,
         )
     return 0
+
+
+def proxy_routes(
+    gateway: Gateway, limits: ReadLimits, count_refusal: Callable[[Scope, str], None]
+) -> FastRoutes:
+    """The proxy routes, served by the HTTP protocol straight into the proxy loop."""
+
+    async def handle(path: str, headers: Mapping[str, str], body: bytes, receive: Receive) -> Reply:
+        return await proxy_call(gateway, path, headers, body, receive)
+
+    def refused(path: str, outcome: str) -> None:
+        count_refusal({"path": path}, outcome)
+
+    return FastRoutes(
+        paths=frozenset(path.encode() for path in TASK_OF_PATH),
+        handler=handle,
+        max_bytes=limits.max_request_bytes,
+        body_timeout_s=limits.body_timeout_s,
+        on_refused=refused,
+    )
 
 
 def _counter_of_refusals(gateway: Gateway) -> Callable[[Scope, str], None]:

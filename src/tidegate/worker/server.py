@@ -24,6 +24,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tidegate.asgi import BodyLimits
 from tidegate.errors import InvalidRequest
+from tidegate.fastroute import FastCycle, FastRoutes, fast_path_of, headers_of
 from tidegate.worker.app import create_app
 from tidegate.worker.runtime import WorkerSettings
 
@@ -112,15 +113,17 @@ class _OneWritePerTurn:
 
 
 class _HeaderTimeoutProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, with a deadline on each request's headers.
+    """uvicorn's httptools protocol, with a deadline on each request's headers, and the
+    fast routes (``tidegate.fastroute``) served without ASGI.
 
-    Armed when the connection is made and when a request's first byte arrives (an idle
-    keep-alive connection is uvicorn's ``timeout_keep_alive``); disarmed when the headers
-    are complete. When it fires, the client gets 408 (unless a response is under way on
-    this connection) and the connection is closed.
+    The deadline is armed when the connection is made and when a request's first byte
+    arrives (an idle keep-alive connection is uvicorn's ``timeout_keep_alive``); disarmed
+    when the headers are complete. When it fires, the client gets 408 (unless a response is
+    under way on this connection) and the connection is closed.
     """
 
     header_timeout_s: ClassVar[float] = WORKER_READ_LIMITS.header_timeout_s
+    fast_routes: ClassVar[FastRoutes | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -141,7 +144,40 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
-        super().on_headers_complete()
+        if self.fast_routes is None or not self._serve_fast(self.fast_routes):
+            super().on_headers_complete()
+
+    def _serve_fast(self, routes: FastRoutes) -> bool:
+        """Take this request off ASGI when it is a plain HTTP/1.1 POST to a fast route."""
+        parser = self.parser
+        if (
+            parser.get_method() != b"POST"
+            or self.expect_100_continue
+            or parser.get_http_version() != "1.1"
+            or parser.should_upgrade()
+        ):
+            return False
+        path = fast_path_of(self.url, routes)
+        if path is None:
+            return False
+        existing = self.cycle
+        cycle = FastCycle(
+            routes,
+            path,
+            headers_of(self.headers),
+            transport=self.transport,
+            flow=self.flow,
+            default_headers=self.server_state.default_headers,
+            keep_alive=parser.should_keep_alive(),
+            on_response=self.on_response_complete,
+        )
+        self.cycle = cycle  # type: ignore[assignment]  # uvicorn's cycle interface
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
+        else:  # pipelined: it starts when the one before it has answered (uvicorn's queue)
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
+        return True
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -169,12 +205,15 @@ class _HeaderTimeoutProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol (``Config(http=...)``) with this header deadline."""
+def header_timeout_protocol(
+    header_timeout_s: float, fast_routes: FastRoutes | None = None
+) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (``Config(http=...)``) with this header deadline, serving
+    ``fast_routes`` itself."""
     return type(
         "HeaderTimeoutProtocol",
         (_HeaderTimeoutProtocol,),
-        {"header_timeout_s": header_timeout_s},
+        {"header_timeout_s": header_timeout_s, "fast_routes": fast_routes},
     )
 
 
@@ -193,12 +232,17 @@ def limited_app(
 
 
 def server_config(
-    app: ASGIApp, limits: ReadLimits, log_level: str, **options: Any
+    app: ASGIApp,
+    limits: ReadLimits,
+    log_level: str,
+    fast_routes: FastRoutes | None = None,
+    **options: Any,
 ) -> uvicorn.Config:
-    """uvicorn's config for ``app`` (already behind ``limited_app``) with the header limit."""
+    """uvicorn's config for ``app`` (already behind ``limited_app``) with the header limit,
+    and ``fast_routes`` served by the protocol itself."""
     return uvicorn.Config(
         app,
-        http=header_timeout_protocol(limits.header_timeout_s),
+        http=header_timeout_protocol(limits.header_timeout_s, fast_routes),
         log_level=log_level,
         access_log=False,
         # Nothing reads the client's address: no X-Forwarded-* rewriting on every request.
