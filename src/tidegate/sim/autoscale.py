@@ -70,8 +70,23 @@ class CoreAutoscaler:
         self._zone = ZoneInfo(config.timezone)
 
     def decide(self, view: FleetView) -> Sequence[FleetAction]:
-        counted = [r for r in view.replicas if r.state in COUNTED]
-        wall_s = self.start_wall_s + view.now * self.speedup
+        counted = sum(1 for r in view.replicas if r.state in COUNTED)
+        delta = self.scale_delta(view.now, counted, view.num_ready, view.queued, view.in_flight)
+        if delta == 0:
+            return ()
+        if delta > 0:
+            return [StartReplica(self.pool)] * delta
+        return drain_least_busy(view, self.pool, -delta)
+
+    def scale_delta(
+        self, now: float, replicas: int, ready: int, queued: float, in_flight: float
+    ) -> int:
+        """One ``decide_scale`` on counts: replicas to add (> 0) or drain (< 0).
+
+        ``decide`` calls it with what its ``FleetView`` counts; the fleet-level simulator
+        (``sim.fluid``), which keeps no per-request state, with its fluid counts.
+        """
+        wall_s = self.start_wall_s + now * self.speedup
         local = datetime.fromtimestamp(wall_s, UTC).astimezone(self._zone)
         forecast = (
             forecast_floor(self.history, wall_s, self.config.cold_start_s)
@@ -79,22 +94,19 @@ class CoreAutoscaler:
             else None
         )
         inputs = ScaleInputs(
-            replicas=len(counted),
-            ready_replicas=view.num_ready,
-            demand=DemandSample(view.now, view.queued, view.in_flight),
+            replicas=replicas,
+            ready_replicas=ready,
+            demand=DemandSample(now, queued, in_flight),
             local_time=(local.weekday(), local.hour * 60 + local.minute),
             forecast_replicas=forecast,
         )
-        decision, self.state = decide_scale(inputs, self.state, self.config, view.now)
+        decision, self.state = decide_scale(inputs, self.state, self.config, now)
         if decision.recommendation is not None:
             self.history = record_hour(self.history, wall_s, decision.recommendation)
         delta = decision.desired_replicas - decision.current_replicas
-        if delta == 0:
-            return ()
-        self.decisions.append(decision)
-        if delta > 0:
-            return [StartReplica(self.pool)] * delta
-        return drain_least_busy(view, self.pool, -delta)
+        if delta != 0:
+            self.decisions.append(decision)
+        return delta
 
 
 def compress(config: AutoscaleConfig, speedup: float) -> AutoscaleConfig:
