@@ -1,0 +1,159 @@
+"""``tidegate profile --through-gateway``: the serve config of each point, and end to end.
+
+The e2e test profiles a simulated engine with a known curve inside real ``tidegate serve``
+processes: the curve comes from the worker's /metrics (the engine's own time, so it recovers
+the known one), the load went through the gateway, and no process is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.procs import TIDEGATE, child_env
+from tidegate.config import parse_config
+from tidegate.engines.profile import load_profile
+from tidegate.errors import ConfigError
+from tidegate.profile.gateway import configured_window, stack_config
+from tidegate.profile.options import DEFAULT_WINDOW_MS, ProfileOptions
+
+KNOWN_BATCH_MS = {1: 60.0, 2: 70.0, 4: 90.0}
+PROFILE_TIMEOUT_S = 900
+
+
+def stack(base: dict[str, Any], model: str, task: str, batch: int) -> dict[str, Any]:
+    data: dict[str, Any] = stack_config(
+        base,
+        model,
+        task,
+        batch,
+        engine="simulated",
+        sim_profile="/p.json",
+        model_path=None,
+        device="cpu",
+        port=12345,
+    )
+    return data
+
+
+def test_generated_config_is_one_replica_of_the_model_at_the_batch() -> None:
+    data = stack({}, "m", "embeddings", 8)
+    assert data["gateway"]["host"] == "127.0.0.1"
+    assert data["gateway"]["port"] == 12345
+    (entry,) = data["models"]
+    assert entry == {
+        "name": "m",
+        "task": "embeddings",
+        "engine": "simulated",
+        "profile": "/p.json",
+        "replicas": 1,
+        "batching": {"max_batch_size": 8},
+    }
+    parse_config(data, "<test>")  # a valid serve config
+
+
+def test_the_deployment_config_keeps_its_settings_but_one_replica_and_the_batch() -> None:
+    base: dict[str, Any] = {
+        "gateway": {"policy": "fifo", "port": 9000},
+        "models": [
+            {"name": "other", "task": "embeddings", "engine": "simulated", "profile": "/o"},
+            {
+                "name": "m",
+                "task": "generate",
+                "engine": "simulated",
+                "profile": "/q",
+                "replicas": 3,
+                "batching": {"max_num_seqs": 64},
+                "queue": {"max_size": 50},
+                "autoscaling": {"min_replicas": 1, "max_replicas": 4},
+            },
+        ],
+    }
+    data = stack(base, "m", "generate", 16)
+    assert data["gateway"] == {
+        "policy": "fifo",
+        "port": 12345,
+        "host": "127.0.0.1",
+        "shutdown_timeout_s": 5,
+    }
+    (entry,) = data["models"]
+    assert entry["replicas"] == 1
+    assert entry["batching"] == {"max_num_seqs": 16}
+    assert entry["queue"] == {"max_size": 50}
+    assert entry["profile"] == "/q"
+    assert "autoscaling" not in entry
+    assert base["models"][1]["replicas"] == 3  # the caller's data is not changed
+
+
+def test_a_config_without_the_model_names_it() -> None:
+    base: dict[str, Any] = {"models": [{"name": "a", "task": "embeddings"}]}
+    with pytest.raises(ConfigError, match="no model named 'm'"):
+        stack(base, "m", "embeddings", 1)
+
+
+def test_the_window_comes_from_the_config() -> None:
+    base: dict[str, Any] = {"models": [{"name": "m", "batching": {"batch_window_ms": 2}}]}
+    assert configured_window(base, "m") == 2.0
+    assert configured_window({}, "m") == DEFAULT_WINDOW_MS
+
+
+def test_config_without_through_gateway_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--through-gateway"):
+        ProfileOptions(model="m", out=tmp_path, serve_config=tmp_path / "c.yaml")
+
+
+@pytest.mark.e2e
+def test_through_the_gateway_recovers_the_engine_curve_and_cleans_up(tmp_path: Path) -> None:
+    known = tmp_path / "known.json"
+    points = [{"batch_size": b, "latency_ms": ms} for b, ms in KNOWN_BATCH_MS.items()]
+    known.write_text(
+        json.dumps(
+            {"version": 1, "model": "k", "task": "embeddings", "embeddings": {"points": points}}
+        )
+    )
+    model = f"gw{uuid.uuid4().hex[:8]}"  # names its processes: none may outlive the run
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [
+            TIDEGATE, "profile", "--model", model, "--engine", "simulated", "--sim-profile",
+            str(known), "--through-gateway", "--max-batch", "4", "--min-seconds-per-point",
+            "1.5", "--max-seconds-per-point", "8", "--out", str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=PROFILE_TIMEOUT_S,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("starting tidegate serve") == 3, result.stderr
+    profile = load_profile(out / "profile.json")
+    assert profile.raw["measured"]["through_gateway"] is True
+    assert profile.engine == "simulated"
+    batch = [p for p in profile.points if p.sweep == "batch"]
+    assert [p.batch_size for p in batch] == [1, 2, 4]
+    curve = profile.batch_latency_ms
+    assert curve is not None
+    for point in batch:
+        assert point.mean_batch_size is not None
+        assert point.mean_batch_size <= (point.batch_size or 0) + 1e-9
+        assert point.num_requests > 0
+        # The engine's own time per batch: the known curve at the batch it formed; a loaded
+        # machine adds time, never takes it away.
+        size = point.mean_batch_size
+        lower = max(b for b in KNOWN_BATCH_MS if b <= max(1.0, size))
+        expected = KNOWN_BATCH_MS[lower]
+        assert point.batch_latency_ms is not None
+        assert point.batch_latency_ms >= expected * 0.9
+    leftovers = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if any(model in part for part in (p.info["cmdline"] or []))
+    ]
+    assert leftovers == []
