@@ -75,6 +75,7 @@ from tidegate.sim.validate import (
 from tidegate.sim.workload import Arrival, Scale
 
 ROOT = Path(__file__).resolve().parent.parent
+SENTENCES = ROOT / "benchmarks" / "profiles" / "sentences-12-16.csv"
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 MODEL = "minilm"
 MAX_BATCH = 32
@@ -164,6 +165,8 @@ def profile_through_gateway(args: argparse.Namespace, logdir: Path) -> Path:
         str(config),
         "--max-batch",
         str(MAX_BATCH),
+        "--workload",  # the sentences the load generator sends: 12-16 tokens
+        str(SENTENCES),
         "--min-seconds-per-point",
         str(args.profile_min_s),
         "--max-seconds-per-point",
