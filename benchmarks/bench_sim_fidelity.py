@@ -77,10 +77,31 @@ from tidegate.sim.workload import Arrival, Scale
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCES = ROOT / "benchmarks" / "profiles" / "sentences-12-16.csv"
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
-MODEL = "minilm"
-MAX_BATCH = 32
+CHAT = ROOT / "benchmarks" / "profiles" / "chat-short.csv"
 WINDOW_MS = 5.0
 PROMPT_TOKENS = 14  # the load generator's sentences: 12 to 16 tokens
+CHAT_PROMPT_TOKENS = 40  # a sentence in the chat template; the run file gets the real count
+GENERATE_PROBES = 6
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One model of the benchmark: how it is served, profiled and loaded."""
+
+    name: str
+    task: str
+    path: str
+    max_batch: int  # max_batch_size (embeddings) or max_num_seqs (generation)
+    output_tokens: int = 0
+
+
+SPECS = {
+    "minilm": Spec("minilm", "embeddings", "/v1/embeddings", 32),
+    "smollm2": Spec("smollm2", "generate", "/v1/chat/completions", 8, output_tokens=16),
+}
+SPEC = SPECS["minilm"]  # set by main() from --model
+MODEL = SPEC.name
+MAX_BATCH = SPEC.max_batch
 MIX = (("high", 0.2), ("medium", 0.3), ("low", 0.5))
 PROBES = 30
 SHARE_WITHIN = 0.90  # of the p50/p95 figures
@@ -105,10 +126,19 @@ class RunOutcome:
 
 
 def capacity_per_s(profile: EngineProfile) -> float:
-    """Inputs per second the profile predicts at best, with batches up to MAX_BATCH."""
+    """Requests per second the profile predicts at best, with batches up to MAX_BATCH
+    (generation: ``c / (ttft(c) + (out - 1) * itl(c))`` with c sequences running)."""
+    if SPEC.task == "generate":
+        ttft, itl = profile.ttft_ms, profile.itl_ms
+        assert ttft is not None
+        assert itl is not None
+        out = SPEC.output_tokens
+        return float(
+            max(c / ((ttft(c) + (out - 1) * itl(c)) / 1e3) for c in range(1, MAX_BATCH + 1))
+        )
     curve = profile.batch_latency_ms
     assert curve is not None
-    return max(n / (curve(n) / 1e3) for n in range(1, MAX_BATCH + 1) if curve(n) > 0)
+    return float(max(n / (curve(n) / 1e3) for n in range(1, MAX_BATCH + 1) if curve(n) > 0))
 
 
 def arrivals_for(trace: Path, rate_per_s: float, duration_s: float, seed: int) -> list[Arrival]:
@@ -128,18 +158,24 @@ def arrivals_for(trace: Path, rate_per_s: float, duration_s: float, seed: int) -
             if offset + at >= duration_s:
                 break
             cls = draw.choices(names, shares)[0]
-            arrivals.append(Arrival(offset + at, PROMPT_TOKENS, 0, cls))
+            if SPEC.task == "generate":
+                arrivals.append(Arrival(offset + at, CHAT_PROMPT_TOKENS, SPEC.output_tokens, cls))
+            else:
+                arrivals.append(Arrival(offset + at, PROMPT_TOKENS, 0, cls))
         offset += period_s
     return arrivals
 
 
 def serve_config(policy: str, engine: str, engine_profile: Path | None) -> dict[str, Any]:
+    batching: dict[str, Any] = {"max_batch_size": MAX_BATCH, "batch_window_ms": WINDOW_MS}
+    if SPEC.task == "generate":
+        batching = {"max_num_seqs": MAX_BATCH}
     model: dict[str, Any] = {
         "name": MODEL,
-        "task": "embeddings",
+        "task": SPEC.task,
         "engine": engine,
         "replicas": 1,
-        "batching": {"max_batch_size": MAX_BATCH, "batch_window_ms": WINDOW_MS},
+        "batching": batching,
     }
     if engine == "simulated":
         assert engine_profile is not None
@@ -165,8 +201,18 @@ def profile_through_gateway(args: argparse.Namespace, logdir: Path) -> Path:
         str(config),
         "--max-batch",
         str(MAX_BATCH),
-        "--workload",  # the sentences the load generator sends: 12-16 tokens
-        str(SENTENCES),
+        *(
+            ["--workload", str(SENTENCES)]  # what the load generator sends: 12-16 tokens
+            if SPEC.task == "embeddings"
+            else [
+                "--workload",
+                str(CHAT),
+                "--max-concurrency",
+                str(MAX_BATCH),
+                "--max-output-tokens",
+                str(SPEC.output_tokens),
+            ]
+        ),
         "--min-seconds-per-point",
         str(args.profile_min_s),
         "--max-seconds-per-point",
@@ -186,8 +232,106 @@ def profile_through_gateway(args: argparse.Namespace, logdir: Path) -> Path:
     return out / "profile.json"
 
 
+def chat_bodies() -> list[bytes]:
+    """Streamed chats, one sentence each, at most SPEC.output_tokens, with a usage chunk."""
+    return [
+        json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": SPEC.output_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        for text in bg.TEXTS
+    ]
+
+
+def chat_text(event: bytes) -> bool:
+    chunk = json.loads(event)
+    return any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", []))
+
+
+@dataclass
+class Streamed:
+    status: int = 0  # 0: no answer by the end of the drain; -1: transport error
+    start: float = math.nan  # scheduled
+    first: float = math.nan
+    end: float = math.nan
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+async def stream_one(client: Any, body: bytes, cls: str, record: Streamed) -> None:
+    try:
+        async for item in client.events(SPEC.path, body, {"x-priority": cls}):
+            if isinstance(item, int):
+                record.status = item
+                continue
+            if item == b"[DONE]" or b'"error"' in item:
+                continue
+            if math.isnan(record.first) and chat_text(item):
+                record.first = time.perf_counter()
+            if b'"usage"' in item and (usage := json.loads(item).get("usage")):
+                record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                record.output_tokens = int(usage.get("completion_tokens") or 0)
+    except Exception:  # a transport error is an outcome: recorded
+        record.status = -1
+    record.end = time.perf_counter()
+
+
+async def stream_schedule(url: str, arrivals: list[Arrival], drain_s: float) -> list[Streamed]:
+    """The open loop for generation: each arrival a streamed chat, sent on schedule."""
+    import asyncio
+
+    bodies = chat_bodies()
+    client = lg.load_client("raw", url, 4096, 600.0)
+    records = [Streamed() for _ in arrivals]
+    try:
+        start = time.perf_counter() + 0.2
+        tasks = []
+        for i, arrival in enumerate(arrivals):
+            due = records[i].start = start + arrival.arrival_s
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body = bodies[i % len(bodies)]
+            tasks.append(
+                asyncio.create_task(stream_one(client, body, arrival.priority or "low", records[i]))
+            )
+        _, pending = await asyncio.wait(tasks, timeout=drain_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task, record in zip(tasks, records, strict=True):
+            if task in pending:
+                record.status, record.end = 0, math.nan
+    finally:
+        await client.aclose()
+    return records
+
+
+def probe_generate_s(url: str) -> float:
+    """Median time to first token of lone streamed chats (after one to warm up)."""
+    import asyncio
+
+    firsts = []
+    for i in range(GENERATE_PROBES + 1):
+        one = [Arrival(0.0, CHAT_PROMPT_TOKENS, SPEC.output_tokens, "high")]
+        (record,) = asyncio.run(stream_schedule(url, one, 120.0))
+        if record.status != 200:
+            raise RuntimeError(f"probe answered {record.status}")
+        if i >= 1:
+            firsts.append(record.first - record.start)
+    return statistics.median(firsts)
+
+
 def probe_s(url: str) -> float:
     """Median latency of PROBES lone requests, one at a time (after a few to warm up)."""
+    if SPEC.task == "generate":
+        return probe_generate_s(url)
     body = bg.bodies(MODEL)
     latencies = []
     with httpx.Client(timeout=30) as client:
@@ -237,12 +381,43 @@ def real_run(
     child = lg.start_serve(f"serve-{policy}-{load:g}", logdir, path, MODEL)
     try:
         idle_s = probe_s(child.url)
-        schedule = [(a.arrival_s, a.priority or "low") for a in arrivals]
-        before = worker_batches(child.url)
-        sent = bg.send_schedule(child.url, schedule, args.drain_s, "raw", {}).records
-        batches = batches_between(before, worker_batches(child.url))
+        if SPEC.task == "generate":
+            import asyncio
+
+            bg.QUIET()
+            streamed = asyncio.run(stream_schedule(child.url, arrivals, args.drain_s))
+            batches = Batches(0, 0, 0)
+        else:
+            schedule = [(a.arrival_s, a.priority or "low") for a in arrivals]
+            before = worker_batches(child.url)
+            sent = bg.send_schedule(child.url, schedule, args.drain_s, "raw", {}).records
+            batches = batches_between(before, worker_batches(child.url))
     finally:
         lg.stop(child)
+    if SPEC.task == "generate":
+        prompts = [r.prompt_tokens for r in streamed if r.prompt_tokens]
+        prompt = round(statistics.mean(prompts)) if prompts else CHAT_PROMPT_TOKENS
+        generated = tuple(
+            RunRequest(
+                a.arrival_s,
+                a.priority,
+                r.prompt_tokens or prompt,
+                r.output_tokens or SPEC.output_tokens,
+                max(0, r.status),
+                None if math.isnan(r.end) else r.end - r.start,
+                None if math.isnan(r.first) else r.first - r.start,
+            )
+            for a, r in zip(arrivals, streamed, strict=True)
+        )
+        meta = {
+            "recorded_by": "benchmarks/bench_sim_fidelity.py",
+            "at": f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M UTC}",
+            "load": load,
+            "engine": args.engine,
+            "cpus": os.cpu_count(),
+        }
+        run = RecordedRun(MODEL, SPEC.task, config, generated, idle_s, str(path), meta)
+        return run, batches
     requests = tuple(
         RunRequest(
             a.arrival_s,
@@ -273,7 +448,13 @@ def one_run(
         write_run(args.runs_dir / f"{MODEL}-{policy}-{load:g}.json", run)
     service = load_service(str(args.profile))
     validation, _, simulated = validate(run, service, TOLERANCES)
-    assert service.batch is not None
+    if service.batch is None:  # generation: no batches to compare
+        notes = {
+            "network_ms": validation.network_s * 1e3,
+            "idle_round_trip_ms": (run.idle_round_trip_s or 0.0) * 1e3,
+            "validation": validation_data(validation),
+        }
+        return RunOutcome(load, policy, list(validation.figures), notes)
     sizes = simulated.batches
     count = sum(sizes.values())
     engine_s = sum(service.batch.batch_s(size, 0) * n for size, n in sizes.items())
@@ -305,25 +486,32 @@ def table(outcomes: list[RunOutcome]) -> str:
         "| p99 ms real / sim | p99 error |",
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    names = ("completed", "429", "504", "throughput /s", "e2e p50 ms", "e2e p95 ms", "e2e p99 ms")
     for o in outcomes:
         for cls, _ in MIX:
-            got = {f.name: f for f in o.figures if f.cls == cls}
-            if not set(names) <= set(got):
-                continue
-            done, r429, r504, thr, p50, p95, p99 = (got[n] for n in names)
-            sent = sum(int(f.measured) for f in got.values() if f.kind == "count")
-            lines.append(
-                f"| {o.load:.0%} | {o.policy} | {cls} | {sent:,} "
-                f"| {done.measured:,.0f} / {done.simulated:,.0f} "
-                f"| {r429.measured:,.0f} / {r429.simulated:,.0f} "
-                f"| {r504.measured:,.0f} / {r504.simulated:,.0f} "
-                f"| {thr.measured:.1f} / {thr.simulated:.1f} | {pct(thr.error)} "
-                f"| {lg.ms(p50.measured)} / {lg.ms(p50.simulated)} | {pct(p50.error)} "
-                f"| {lg.ms(p95.measured)} / {lg.ms(p95.simulated)} | {pct(p95.error)} "
-                f"| {lg.ms(p99.measured)} / {lg.ms(p99.simulated)} | {pct(p99.error)} |"
-            )
+            for metric in ("ttft", "e2e") if SPEC.task == "generate" else ("e2e",):
+                lines += table_row(o, cls, metric)
     return "\n".join(lines)
+
+
+def table_row(o: RunOutcome, cls: str, metric: str) -> list[str]:
+    names: tuple[str, ...] = ("completed", "429", "504", "throughput /s")
+    names += tuple(f"{metric} p{q} ms" for q in (50, 95, 99))
+    got = {f.name: f for f in o.figures if f.cls == cls}
+    if not set(names) <= set(got):
+        return []
+    done, r429, r504, thr, p50, p95, p99 = (got[n] for n in names)
+    sent = sum(int(f.measured) for f in got.values() if f.kind == "count")
+    label = f"{cls} {metric}" if SPEC.task == "generate" else cls
+    return [
+        f"| {o.load:.0%} | {o.policy} | {label} | {sent:,} "
+        f"| {done.measured:,.0f} / {done.simulated:,.0f} "
+        f"| {r429.measured:,.0f} / {r429.simulated:,.0f} "
+        f"| {r504.measured:,.0f} / {r504.simulated:,.0f} "
+        f"| {thr.measured:.1f} / {thr.simulated:.1f} | {pct(thr.error)} "
+        f"| {lg.ms(p50.measured)} / {lg.ms(p50.simulated)} | {pct(p50.error)} "
+        f"| {lg.ms(p95.measured)} / {lg.ms(p95.simulated)} | {pct(p95.error)} "
+        f"| {lg.ms(p99.measured)} / {lg.ms(p99.simulated)} | {pct(p99.error)} |"
+    ]
 
 
 def pct(value: float) -> str:
@@ -352,7 +540,8 @@ def diagnostics(outcomes: list[RunOutcome]) -> str:
 def rankings(outcomes: list[RunOutcome]) -> list[str]:
     lines = []
     for load in sorted({o.load for o in outcomes}):
-        high = {o.policy: figure(o, "high", "e2e p95 ms") for o in outcomes if o.load == load}
+        ranked = "ttft" if SPEC.task == "generate" else "e2e"
+        high = {o.policy: figure(o, "high", f"{ranked} p95 ms") for o in outcomes if o.load == load}
         if not {"fifo", "priority"} <= set(high):
             continue
         fifo, prio = high["fifo"], high["priority"]
@@ -361,7 +550,8 @@ def rankings(outcomes: list[RunOutcome]) -> list[str]:
         real = prio.measured < fifo.measured
         sim = prio.simulated < fifo.simulated
         lines.append(
-            f"{'PASS' if real == sim else 'MISS'} ranking at {load:.0%}: high p95 priority "
+            f"{'PASS' if real == sim else 'MISS'} ranking at {load:.0%}: high {ranked} p95 "
+            "priority "
             f"{'<' if real else '>='} fifo on the server "
             f"({lg.ms(prio.measured)} vs {lg.ms(fifo.measured)} ms), "
             f"{'<' if sim else '>='} in the simulator "
@@ -409,6 +599,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-out", type=Path, help="keep the through-gateway profile here")
     parser.add_argument("--profile-min-s", type=float, default=4.0)
     parser.add_argument("--profile-max-s", type=float, default=12.0)
+    parser.add_argument("--model", choices=tuple(SPECS), default="minilm")
     parser.add_argument("--engine", choices=("transformers", "simulated"), default="transformers")
     parser.add_argument(
         "--engine-profile",
@@ -438,7 +629,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> int:
+    global SPEC, MODEL, MAX_BATCH
     args = parse_args()
+    SPEC = SPECS[args.model]
+    MODEL, MAX_BATCH = SPEC.name, SPEC.max_batch
     started = time.monotonic()
     print(
         f"bench_sim_fidelity: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M UTC}, {os.cpu_count()} "
@@ -453,16 +647,16 @@ def main() -> int:
             if args.profile is None:
                 args.profile = profile_through_gateway(args, logdir)
             profile = load_profile(args.profile)
-            if profile.task != "embeddings":
-                raise RuntimeError(f"{args.profile} is a {profile.task} profile; minilm embeds")
+            if profile.task != SPEC.task:
+                raise RuntimeError(f"{args.profile} is a {profile.task} profile; {MODEL} is not")
             capacity = capacity_per_s(profile)
-            curve = profile.batch_latency_ms
+            curve = profile.batch_latency_ms or profile.ttft_ms
             assert curve is not None
             print(
                 f"  profile {args.profile} (through the gateway: "
                 f"{profile.raw.get('measured', {}).get('through_gateway')}): "
                 + ", ".join(f"{x:g}: {y:.1f} ms" for x, y in zip(curve.xs, curve.ys, strict=True))
-                + f"; capacity {capacity:,.0f} inputs/s",
+                + f"; capacity {capacity:,.2f} requests/s",
                 flush=True,
             )
             for load in (float(x) for x in args.loads.split(",")):
@@ -483,8 +677,9 @@ def main() -> int:
         return 1
     print()
     print(table(outcomes))
-    print()
-    print(diagnostics(outcomes))
+    if SPEC.task == "embeddings":
+        print()
+        print(diagnostics(outcomes))
     print("```")
     for line in verdicts(outcomes):
         print(line)
@@ -494,6 +689,7 @@ def main() -> int:
         args.json.write_text(
             json.dumps(
                 {
+                    "model": MODEL,
                     "engine": args.engine,
                     "profile": str(args.profile),
                     "capacity_per_s": capacity,

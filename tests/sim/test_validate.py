@@ -32,7 +32,7 @@ from tidegate.sim.validate import (
 )
 from tidegate.sim.workload import Arrival, Listed
 
-from .conftest import config_of, flat_batch_service
+from .conftest import config_of, flat_batch_service, flat_step_service
 
 CONFIG: dict[str, Any] = {
     "gateway": {"policy": "priority"},
@@ -176,3 +176,52 @@ def test_a_file_that_is_not_a_run_names_the_key(tmp_path: Path) -> None:
     path.write_text(json.dumps({"format": "tidegate-run", "version": 1, "model": "m"}))
     with pytest.raises(ConfigError, match="task"):
         load_run(path)
+
+
+GENERATE_CONFIG: dict[str, Any] = {
+    "models": [
+        {
+            "name": "g",
+            "task": "generate",
+            "engine": "simulated",
+            "replicas": 1,
+            "batching": {"max_num_seqs": 4},
+        }
+    ],
+}
+
+
+def test_a_generation_run_compares_time_to_first_token_and_end_to_end() -> None:
+    draw = random.Random(3)
+    at, schedule = 0.0, []
+    for _ in range(200):
+        at += draw.expovariate(8.0)
+        schedule.append(Arrival(at, 30, 6, draw.choice(("high", "low"))))
+    scenario = Scenario(
+        config_of(GENERATE_CONFIG),
+        "g",
+        flat_step_service(20.0),
+        Listed("t", schedule),
+        {"shared": 1},
+        keep_requests=True,
+    )
+    result = Simulation(scenario).run()
+    assert result.recorder.requests is not None
+    requests = []
+    for record in sorted(result.recorder.requests, key=lambda r: int(r.id)):
+        a = schedule[int(record.id)]
+        status = STATUS_OF_OUTCOME[record.outcome]
+        requests.append(
+            RunRequest(a.arrival_s, a.priority, 30, 6, status, record.e2e_s, record.ttft_s)
+        )
+    run = RecordedRun("g", "generate", GENERATE_CONFIG, tuple(requests), None, "g.json")
+    validation, _, _ = validate(run, flat_step_service(20.0))
+    names = {f.name for f in validation.figures}
+    assert {"ttft p50 ms", "ttft p95 ms", "e2e p50 ms", "e2e p95 ms"} <= names
+    for figure in validation.figures:
+        assert figure.measured == pytest.approx(figure.simulated, rel=1e-3, abs=1e-3), figure
+    slower, _, _ = validate(run, flat_step_service(40.0))
+    ttft = [f for f in slower.figures if f.name == "ttft p50 ms"]
+    assert all(f.error > 0.5 for f in ttft)  # the slower model is pessimistic, and says so
+    with pytest.raises(ValueError, match="embeddings"):
+        validate(run, flat_batch_service(10.0))

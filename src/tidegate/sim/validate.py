@@ -347,13 +347,17 @@ def compare(
     figures: list[Figure] = []
     metrics = ("ttft", "e2e") if task == "generate" else ("e2e",)
     for cls in _ordered(simulated.statuses, measured.statuses):
+        if not sum(measured.statuses.get(cls, Counter()).values()) and not sum(
+            simulated.statuses.get(cls, Counter()).values()
+        ):
+            continue  # a level of the config nobody sent
         for metric in metrics:
             real = getattr(measured, f"{metric}_s").get(cls, [])
             sim = getattr(simulated, f"{metric}_s").get(cls, [])
             for q in (50, 95, 99):
                 a, b = percentile(real, q) * 1e3, percentile(sim, q) * 1e3
                 error = relative(b, a)
-                judged = q != 99
+                judged = q != 99 and bool(real or sim)  # nothing completed on either: n/a
                 ok = error == error and abs(error) <= t.percentile
                 figures.append(Figure(cls, f"{metric} p{q} ms", a, b, error, judged, ok))
         real_done = len(measured.e2e_s.get(cls, []))
