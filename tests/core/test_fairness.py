@@ -241,6 +241,22 @@ def test_full_level_sheds_the_flooding_tenant() -> None:
     assert not isinstance(queue.admit(treq("heavy9", "heavy", at=12), 12.0), Admitted)
 
 
+@pytest.mark.parametrize("fairness", [FAIR, None])
+def test_holdback_makes_the_flooding_tenant_give_way(fairness: FairnessConfig | None) -> None:
+    specs = (LevelSpec("high"), LevelSpec("medium", holdback_above=0.5))
+    queue = WaitQueue(QueueConfig(levels=specs, aging=NO_AGING, fairness=fairness))
+    admit_all(queue, [treq(f"heavy{i}", "heavy", at=i, level=1) for i in range(3)])
+    decision = queue.admit(treq("light0", "light", at=9, level=1), 9.0, saturation=0.8)
+    if fairness is None:
+        assert not isinstance(decision, Admitted)
+    else:  # the same number queued as before, and the flood gave up its newest place
+        assert isinstance(decision, Admitted)
+        assert [r.id for r in decision.shed] == ["heavy2"]
+        assert len(queue) == 3
+    refused = queue.admit(treq("heavy9", "heavy", at=9, level=1), 9.0, saturation=0.8)
+    assert not isinstance(refused, Admitted)
+
+
 def test_full_level_without_fairness_refuses() -> None:
     queue = fair_queue(fairness=None, max_size=2)
     admit_all(queue, [treq(f"heavy{i}", "heavy", at=i) for i in range(2)])

@@ -351,8 +351,9 @@ class WaitQueue:
 
         Checks, in order: graded holdback, a deadline the predicted wait already misses,
         then capacity (shedding the newest request of the least urgent level present when
-        the arrival is more urgent; with fair sharing, else the newest of the tenant that
-        holds the most of the arrival's level, when that is another tenant holding more).
+        the arrival is more urgent). With fair sharing, where holdback, a full level or a
+        full queue would refuse it, the tenant holding the most of its level gives up its
+        newest request instead, when it holds at least two more than the arrival's tenant.
         """
         level = self._check_level(request)
         if request.id in self._live:
@@ -360,7 +361,11 @@ class WaitQueue:
         spec = self.config.levels[level]
         deadline_at = _earliest(request.deadline_at, spec.timeout_s, request.arrival_at)
 
-        if spec.holdback_above is not None and saturation > spec.holdback_above:
+        # Fair sharing: a tenant holding more of this level than the arrival's tenant gives up
+        # its newest place instead of the arrival being refused (``_heavier_tenant``).
+        heavier = None if self.fair is None else self._heavier_tenant(request)
+        held = spec.holdback_above is not None and saturation > spec.holdback_above
+        if held and heavier is None:
             return self._reject(
                 request,
                 RequestState.REJECTED_HOLDBACK,
@@ -378,19 +383,21 @@ class WaitQueue:
                     f"predicted queue wait {wait_s:.1f}s exceeds the deadline "
                     f"({max(0.0, deadline_at - now):.1f}s away)",
                 )
+        level_full = spec.max_size is not None and self._depths[level] >= spec.max_size
+        if level_full and heavier is None:
+            return self._reject(
+                request,
+                RequestState.REJECTED_FULL,
+                self.predicted_wait_s(level, now),
+                f"queue for priority {spec.name} is full ({spec.max_size})",
+            )
         shed: tuple[Request, ...] = ()
-        if spec.max_size is not None and self._depths[level] >= spec.max_size:
-            victim = self._evict_heaviest(request)
-            if victim is None:
-                return self._reject(
-                    request,
-                    RequestState.REJECTED_FULL,
-                    self.predicted_wait_s(level, now),
-                    f"queue for priority {spec.name} is full ({spec.max_size})",
-                )
-            shed = (victim,)
-        if len(self._live) >= self.config.max_size:
-            victim = self._evict_newest_below(level) or self._evict_heaviest(request)
+        if heavier is not None and (held or level_full):
+            shed = (self._evict_newest_of(level, heavier),)
+        elif len(self._live) >= self.config.max_size:
+            victim = self._evict_newest_below(level)
+            if victim is None and heavier is not None:
+                victim = self._evict_newest_of(level, heavier)
             if victim is None:
                 return self._reject(
                     request,
@@ -398,7 +405,7 @@ class WaitQueue:
                     self.predicted_wait_s(level, now),
                     f"queue is full ({self.config.max_size}) with nothing less urgent to shed",
                 )
-            shed = (*shed, victim)
+            shed = (victim,)
         self._insert(request, deadline_at)
         self._tally[level][_QUEUED] += 1
         return Admitted(request, deadline_at, shed)
@@ -595,23 +602,25 @@ class WaitQueue:
             return entry.request
         return None
 
-    def _evict_heaviest(self, request: Request) -> Request | None:
-        """Fair sharing, a full level: shed the newest request of the tenant that holds the
-        most of ``request``'s level, when it holds more than one beyond the arrival's tenant.
+    def _heavier_tenant(self, request: Request) -> str | None:
+        """Fair sharing: the tenant holding the most of ``request``'s level, when it holds
+        at least two more than ``request``'s tenant (so a shed never just swaps places).
 
-        Why: without it a flooding tenant fills the queue and every other tenant of its level
-        is refused at the door, which no pick order can undo. None without fairness.
+        Why: without it a flooding tenant fills the queue (or its level, or the room that
+        holdback leaves) and every other tenant of its level is refused at the door, which
+        no pick order can undo.
         """
-        if self.fair is None:
-            return None
-        level = request.priority
-        depths = self._tenant_depths[level]
+        depths = self._tenant_depths[request.priority]
         if not depths:
             return None
         heaviest = max(depths, key=depths.__getitem__)
-        if heaviest == request.tenant or depths[heaviest] <= depths.get(request.tenant, 0) + 1:
+        if depths[heaviest] <= depths.get(request.tenant, 0) + 1:
             return None
-        fifo = self._tenant_fifos[level][heaviest]
+        return heaviest
+
+    def _evict_newest_of(self, level: int, tenant: str) -> Request:
+        """Shed ``tenant``'s newest request at ``level`` (it has one)."""
+        fifo = self._tenant_fifos[level][tenant]
         while not fifo[-1].alive:
             fifo.pop()
         entry = fifo[-1]
