@@ -330,9 +330,17 @@ def simulate(
         Path | None,
         typer.Option(help="A recorded real run (docs/simulator.md): replay it and compare."),
     ] = None,
+    fleet: Annotated[
+        Path | None,
+        typer.Option(help="Fleet-level mode: a fleet file (docs/simulator.md), every model."),
+    ] = None,
 ) -> None:
     """Replay a trace or a synthetic workload through the scheduler's own policies."""
     from tidegate.errors import ConfigError
+
+    if fleet is not None:
+        _simulate_fleet(fleet, compare, out, trace or workload)
+        return
     from tidegate.sim import SimulateOptions, write_outputs
     from tidegate.sim import simulate as run_simulation
     from tidegate.sim.report import terminal
@@ -370,6 +378,28 @@ def simulate(
         raise typer.Exit(2) from None
     typer.echo(terminal(report))
     for path in write_outputs(out, results, report):
+        typer.echo(f"wrote {path}")
+
+
+def _simulate_fleet(fleet: Path, compare: str | None, out: Path, other: str | None) -> None:
+    from tidegate.errors import ConfigError
+    from tidegate.sim.fleetfile import fleet_markdown, simulate_fleet, write_fleet_outputs
+
+    if other is not None:
+        typer.echo(
+            "error: --fleet reads its traces from the fleet file; drop --trace/--workload",
+            err=True,
+        )
+        raise typer.Exit(2)
+    controllers = tuple(name.strip() for name in (compare or "").split(",") if name.strip())
+    try:
+        reports = simulate_fleet(fleet, controllers)
+    except (ConfigError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for report in reports:
+        typer.echo(fleet_markdown(report))
+    for path in write_fleet_outputs(out, reports):
         typer.echo(f"wrote {path}")
 
 

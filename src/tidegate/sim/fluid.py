@@ -180,21 +180,33 @@ class EngineCurve:
         # time, picked by length; else a decode step), then its own step prefills it with
         # whatever arrived meanwhile
         u = random.Random(f"{seed}:fluid-residual")
-        residual = [u.random() for _ in prompts]
-        inside = [u.random() for _ in prompts]
-        picked = u.choices(range(len(prompts)), weights=prefill, k=len(prompts))
-        self.ttft: list[list[float]] = []
-        for b in range(slots + 1):
-            d = self.decode_s[b]
-            rate = mu[b]
-            prefill_share = min(1.0, rate * self.mean_prefill_s)
-            samples = []
-            for i, prompt in enumerate(prompts):
-                running = d + prefill[picked[i]] if inside[i] < prefill_share else d
-                wait = residual[i] * running
-                joining = prompt + rate * (wait + d) * mean_prompt
-                samples.append(wait + d + step.step_s(0, 1, round(joining)))
-            self.ttft.append(sorted(samples))
+        self._step = step
+        self._prompts = prompts
+        self._prefill = prefill
+        self._mean_prompt = mean_prompt
+        self._residual = [u.random() for _ in prompts]
+        self._inside = [u.random() for _ in prompts]
+        self._picked = u.choices(range(len(prompts)), weights=prefill, k=len(prompts))
+        self._ttft: dict[int, list[float]] = {}
+
+    def ttft(self, running: int) -> list[float]:
+        """The engine part of the TTFT at ``running`` sequences per replica, sorted."""
+        samples = self._ttft.get(running)
+        if samples is not None:
+            return samples
+        d = self.decode_s[running]
+        rate = self.mu[running]
+        prefill_share = min(1.0, rate * self.mean_prefill_s)
+        prefill, step = self._prefill, self._step
+        samples = []
+        for i, prompt in enumerate(self._prompts):
+            busy = d + prefill[self._picked[i]] if self._inside[i] < prefill_share else d
+            wait = self._residual[i] * busy
+            joining = prompt + rate * (wait + d) * self._mean_prompt
+            samples.append(wait + d + step.step_s(0, 1, round(joining)))
+        samples.sort()
+        self._ttft[running] = samples
+        return samples
 
     def running(self, per_replica_per_s: float) -> float:
         """B with mu(B) = the rate (linear between integers); the slots when above mu(S)."""
@@ -209,7 +221,7 @@ class EngineCurve:
 
     def within(self, running: float, wait_s: float, slo_s: float) -> float:
         """Share of requests whose TTFT (wait + engine part) is within ``slo_s``."""
-        samples = self.ttft[min(self.slots, max(0, round(running)))]
+        samples = self.ttft(min(self.slots, max(0, round(running))))
         return bisect.bisect_right(samples, slo_s - wait_s) / len(samples)
 
     def drain(self, running: float, timeout_s: float) -> tuple[float, float]:
@@ -300,6 +312,7 @@ class FluidGroup:
         self.stopped = 0
         self.series: list[tuple[float, int, int, float]] = []  # (t, counted, ready, queued)
         self.max_queued = 0.0
+        self._within_now: dict[int, list[float]] = {}  # running -> share within, no wait
         # the controller: the request-level simulator's, on counts
         start = group.replicas if group.replicas is not None else sum(spec.replicas.values())
         self.initial = start
@@ -354,12 +367,19 @@ class FluidGroup:
         """Drain ``count`` counted replicas chosen by ``core.placement.pick_victims``."""
         share = self.running / self.ready if self.ready else 0.0
         in_flight = round(share)
-        candidates = [
-            VictimCandidate(r.id, in_flight if r.state == READY else 0, r.started_at)
-            for r in self.replicas.values()
-            if r.state != DRAINING
-        ]
-        # Placement(): the request-level simulator's ``drain_least_busy`` passes none either
+        # With no placement (the request-level simulator's ``drain_least_busy`` passes none
+        # either) pick_victims orders by in flight, then newest: the ``count`` newest of
+        # each in-flight value (ready ones carry the mean share, the others none) hold its
+        # whole answer, and keep the call O(count) instead of O(replicas x count).
+        newest: dict[int, list[VictimCandidate]] = {}
+        for r in reversed(self.replicas.values()):  # insertion order: oldest first
+            if r.state == DRAINING:
+                continue
+            value = in_flight if r.state == READY else 0
+            kept = newest.setdefault(value, [])
+            if len(kept) < count:
+                kept.append(VictimCandidate(r.id, value, r.started_at))
+        candidates = [c for kept in newest.values() for c in kept]
         for replica_id in pick_victims(candidates, count, Placement()):
             replica = self.replicas[replica_id]
             self.counted -= 1
@@ -460,11 +480,14 @@ class FluidGroup:
         if self.draining:
             self._finish_draining(now + dt, dt)
         ready = self.ready
+        capacity = ready * self.engine.capacity_per_s * dt
+        if ready and rate * dt <= capacity and not any(self.queued):
+            self._keep_up(rate, arrivals, ready)  # the common case: every arrival has a slot
+            return
         if ready == 0 and (self.autoscaler is None or not self.autoscaler.scales_from_zero):
             for level in range(n):  # no replica ready: 503, as the gateway answers
                 tally[level].unavailable += arrivals[level]
             arrivals = [0.0] * n
-        capacity = ready * self.engine.capacity_per_s * dt
         queued = self.queued
         before = list(queued)
         queued_before = sum(before)
@@ -524,6 +547,22 @@ class FluidGroup:
             if not self.fifo:
                 urgent_per_s += rate * self.shares[level]
         self.max_queued = max(self.max_queued, queued_after)
+
+    def _keep_up(self, rate: float, arrivals: list[float], ready: int) -> None:
+        """``_flow`` when the ready replicas take every arrival and nothing is queued."""
+        b = self.engine.running(rate / ready)
+        self.running = running = ready * b
+        within = self._within_now.get(round(b))
+        if within is None:
+            within = [self.engine.within(b, 0.0, slo) for slo in self.slo]
+            self._within_now[round(b)] = within
+        total = sum(arrivals)
+        for level, amount in enumerate(arrivals):
+            t = self.tally[level]
+            t.admitted += amount
+            t.dispatched += amount
+            t.met += amount * within[level]
+            self.run_by_level[level] = running * amount / total if total > 0 else 0.0
 
     def _finish_draining(self, end: float, dt: float) -> None:
         kept = []
