@@ -234,19 +234,24 @@ def decode_json(raw: bytes) -> Any:
 MAX_JSON_DEPTH = 200  # pydantic-core's (jiter's) recursion limit; OpenAI bodies need ~6
 
 
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _until_disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``unless_gone`` on a Starlette request's channel."""
+    return await unless_gone(request.receive, work)
+
+
+async def unless_gone(receive: Receive, work: Awaitable[T]) -> T:
     """Await ``work`` unless the client goes away first; then cancel it and raise ClientGone.
 
     Call after the body has been read: the only message left on the channel is the
     disconnect.
     """
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(request))
+    watcher = asyncio.ensure_future(_until_disconnected(receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():

@@ -14,25 +14,30 @@ import asyncio
 import base64
 import contextlib
 import functools
+import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import Receive
 
 from tidegate import wire
 from tidegate.asgi import (
+    CLIENT_CLOSED_REQUEST,
     SSE_DONE,
     SSE_HEADERS,
     ClientGone,
+    decode_json,
     install_error_handlers,
     json_body,
     sse,
     unless_disconnected,
+    unless_gone,
 )
 from tidegate.engines.base import (
     GREEDY_BELOW,
@@ -54,6 +59,7 @@ from tidegate.errors import (
     PromptTooLong,
     TidegateError,
 )
+from tidegate.fastroute import FastRoutes, Reply, error_reply, json_reply
 from tidegate.worker.runtime import WORKER_LEVELS, Worker, WorkerSettings
 
 log = logging.getLogger("tidegate.worker")
@@ -147,32 +153,10 @@ def create_app(
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        body = wire.parse(wire.EmbeddingsRequest, await json_body(request))
-        engine = cast(EmbeddingEngine, _engine_for(worker, body.model, "embeddings"))
-        priority = _priority(request)
-        texts = _texts(body, engine.card)
-        tokens = _tokenized(worker, engine.count_tokens, texts)
-        for index, count in enumerate(tokens):
-            if count > engine.card.max_context_tokens:
-                raise PromptTooLong(
-                    f"input[{index}] has {count} tokens; {engine.card.name} accepts at most "
-                    f"{engine.card.max_context_tokens}",
-                    param="input",
-                )
-        assert worker.batcher is not None
-        started = time.monotonic()
-        with _outcome(worker, priority) as outcome:
-            vectors = await unless_disconnected(
-                request, worker.batcher.embed(texts, tokens, priority)
-            )
-            outcome.observe_e2e(time.monotonic() - started)
-        data = [
-            {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
-            for i, v in enumerate(vectors)
-        ]
-        usage = {"prompt_tokens": sum(tokens), "total_tokens": sum(tokens)}
-        worker.metrics.tokens.labels(settings.model, "prompt").inc(sum(tokens))
-        return JSONResponse({"object": "list", "data": data, "model": body.model, "usage": usage})
+        # ``tidegate worker`` serves this route off the HTTP protocol (``fast_routes``);
+        # this is the same work for an ASGI server (in-process tests, the document).
+        body = await request.body()
+        return JSONResponse(await _embed(worker, request.headers, body, request.receive))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -198,6 +182,71 @@ def create_app(
 # --------------------------------------------------------------------------- validation
 _In = TypeVar("_In")
 _Out = TypeVar("_Out")
+
+
+async def _embed(
+    worker: Worker, headers: Mapping[str, str], raw: bytes, receive: Receive
+) -> dict[str, Any]:
+    """One embeddings request, from its body to its answer's JSON; raises TidegateError."""
+    body = wire.parse(wire.EmbeddingsRequest, decode_json(raw))
+    engine = cast(EmbeddingEngine, _engine_for(worker, body.model, "embeddings"))
+    priority = _priority(headers)
+    texts = _texts(body, engine.card)
+    tokens = _tokenized(worker, engine.count_tokens, texts)
+    for index, count in enumerate(tokens):
+        if count > engine.card.max_context_tokens:
+            raise PromptTooLong(
+                f"input[{index}] has {count} tokens; {engine.card.name} accepts at most "
+                f"{engine.card.max_context_tokens}",
+                param="input",
+            )
+    assert worker.batcher is not None
+    started = time.monotonic()
+    with _outcome(worker, priority) as outcome:
+        vectors = await unless_gone(receive, worker.batcher.embed(texts, tokens, priority))
+        outcome.observe_e2e(time.monotonic() - started)
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+        for i, v in enumerate(vectors)
+    ]
+    usage = {"prompt_tokens": sum(tokens), "total_tokens": sum(tokens)}
+    worker.metrics.tokens.labels(worker.settings.model, "prompt").inc(sum(tokens))
+    return {"object": "list", "data": data, "model": body.model, "usage": usage}
+
+
+def fast_routes(app: FastAPI, max_bytes: int, body_timeout_s: float) -> FastRoutes:
+    """``POST /v1/embeddings`` of ``app``'s worker, served by the HTTP protocol itself
+    (``tidegate.fastroute``): on a CPU the HTTP work shares the cores with the model."""
+    worker: Worker = app.state.worker
+
+    async def handle(path: str, headers: Mapping[str, str], body: bytes, receive: Receive) -> Reply:
+        try:
+            answer = await _embed(worker, headers, body, receive)
+        except ClientGone:
+            gone = TidegateError("the client closed the connection", code="client_closed_request")
+            return json_reply(CLIENT_CLOSED_REQUEST, gone.body())
+        except TidegateError as exc:
+            return error_reply(exc)
+        except Exception:  # a bug: 500, the details for the log only
+            log.exception("unexpected error on POST %s", path)
+            return error_reply(
+                TidegateError("internal error: the server failed on this request; it is logged")
+            )
+        return Reply(200, [(b"content-type", b"application/json")], _json_bytes(answer))
+
+    return FastRoutes(
+        paths=frozenset({b"/v1/embeddings"}),
+        handler=handle,
+        max_bytes=max_bytes,
+        body_timeout_s=body_timeout_s,
+    )
+
+
+def _json_bytes(content: Any) -> bytes:
+    """As Starlette's JSONResponse renders it."""
+    return json.dumps(
+        content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode("utf-8")
 
 
 def _tokenized(worker: Worker, tokenize: Callable[[_In], _Out], value: _In) -> _Out:
@@ -248,8 +297,8 @@ def _some_tokens(prompt_ids: list[int], param: str) -> list[int]:
     return prompt_ids
 
 
-def _priority(request: Request) -> int:
-    raw = request.headers.get(PRIORITY_HEADER)
+def _priority(headers: Mapping[str, str]) -> int:
+    raw = headers.get(PRIORITY_HEADER)
     if raw is None:
         return DEFAULT_LEVEL
     value = raw.strip().lower()
@@ -335,7 +384,7 @@ async def _generate(
     chat: bool,
 ) -> Response:
     assert worker.sequences is not None
-    priority = _priority(request)
+    priority = _priority(request.headers)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     chunks = _Chunks(rid, body.model, created, chat)

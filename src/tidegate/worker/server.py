@@ -25,7 +25,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from tidegate.asgi import BodyLimits
 from tidegate.errors import InvalidRequest
 from tidegate.fastroute import FastCycle, FastRoutes, fast_path_of, headers_of
-from tidegate.worker.app import create_app
+from tidegate.worker.app import create_app, fast_routes
 from tidegate.worker.runtime import WorkerSettings
 
 log = logging.getLogger("tidegate.worker")
@@ -279,8 +279,11 @@ def serve_worker(settings: WorkerSettings, host: str, port: int, log_level: str 
         if server is not None:
             server.should_exit = True
 
-    app = limited_app(create_app(settings, on_fatal=on_fatal), WORKER_READ_LIMITS)
-    config = server_config(app, WORKER_READ_LIMITS, log_level, timeout_graceful_shutdown=10)
+    inner = create_app(settings, on_fatal=on_fatal)
+    limits = WORKER_READ_LIMITS
+    app = limited_app(inner, limits)
+    routes = fast_routes(inner, limits.max_request_bytes, limits.body_timeout_s)
+    config = server_config(app, limits, log_level, fast_routes=routes, timeout_graceful_shutdown=10)
     server = uvicorn.Server(config)
     server.run(sockets=[sock])
     return 1 if failed else 0
