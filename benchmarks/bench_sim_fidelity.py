@@ -27,13 +27,19 @@ p95, priority against fifo) at every load; the outcome counts (completed, 429, 5
 10% (a count under 1% of the class is compared as a share of the class). Every figure is
 printed, passing or not.
 
-Run (a through-gateway profile first, about 2 minutes, then about 1.5 minutes per load and
-policy):
+The profile is measured again before each load (minilm; ``--no-profile-every-load`` for
+once): on a machine shared with other work the engine's speed drifts by 3x within minutes
+(docs/benchmarks.md), and a calibration is only as good as its nearness to the load.
+``--model smollm2`` (generation: time to first token and end to end, streamed chats of at
+most 16 tokens, max_num_seqs 8) profiles once by default.
+
+Run (a through-gateway profile, about 1.5 minutes, then about 1.5 minutes per policy, for
+each load):
     HF_HUB_OFFLINE=1 flock /tmp/bench.lock nice .venv/bin/python benchmarks/bench_sim_fidelity.py
-        [--profile PATH (skip the profiling)] [--engine transformers|simulated]
+        [--model minilm|smollm2] [--profile PATH (skip the profiling)]
+        [--engine transformers|simulated]
         [--loads 0.5,0.8,1.2] [--policies fifo,priority] [--duration-s 40] [--drain-s 30]
         [--runs-dir DIR (keep the run files)] [--json out.json] [--quick] [--verdict v.json]
-Only minilm (embeddings) is implemented; smollm2 (generation: TTFT and e2e) is not yet.
 Every process it starts is stopped at the end; logs are kept only when a run fails.
 """
 
@@ -60,8 +66,8 @@ import httpx
 import bench_gateway as bg
 import loadgen as lg
 from summary import write_verdicts
-from tidegate.engines.profile import EngineProfile, load_profile
-from tidegate.sim.service import load_service
+from tidegate.engines.profile import Curve, EngineProfile, load_profile
+from tidegate.sim.service import CurveBatch, ServiceModel, load_service
 from tidegate.sim.traces import open_trace
 from tidegate.sim.validate import (
     Figure,
@@ -123,6 +129,17 @@ class RunOutcome:
     policy: str
     figures: list[Figure]
     notes: dict[str, Any]
+    # Diagnostic, not the target: the same run with the profile rescaled to the engine time
+    # the worker reported during the run (what the service model alone gets wrong).
+    rescaled: list[Figure] | None = None
+
+
+def rescaled_service(profile_path: Path, factor: float) -> ServiceModel:
+    """The profile's batch curve times ``factor``."""
+    curve = load_profile(profile_path).batch_latency_ms
+    assert curve is not None
+    scaled = Curve(curve.xs, tuple(y * factor for y in curve.ys))
+    return ServiceModel(f"profile x {factor:.2f}", "embeddings", batch=CurveBatch(scaled))
 
 
 def capacity_per_s(profile: EngineProfile) -> float:
@@ -186,11 +203,29 @@ def serve_config(policy: str, engine: str, engine_profile: Path | None) -> dict[
     }
 
 
-def profile_through_gateway(args: argparse.Namespace, logdir: Path) -> Path:
+def show_profile(path: Path) -> float:
+    """The profile's capacity (requests/s), after printing its curve."""
+    profile = load_profile(path)
+    if profile.task != SPEC.task:
+        raise RuntimeError(f"{path} is a {profile.task} profile; {MODEL} is not")
+    capacity = capacity_per_s(profile)
+    curve = profile.batch_latency_ms or profile.ttft_ms
+    assert curve is not None
+    print(
+        f"  profile {path} (through the gateway: "
+        f"{profile.raw.get('measured', {}).get('through_gateway')}): "
+        + ", ".join(f"{x:g}: {y:.1f} ms" for x, y in zip(curve.xs, curve.ys, strict=True))
+        + f"; capacity {capacity:,.2f} requests/s",
+        flush=True,
+    )
+    return capacity
+
+
+def profile_through_gateway(args: argparse.Namespace, logdir: Path, tag: str) -> Path:
     """``tidegate profile --through-gateway`` with the benchmark's own serve config."""
     config = logdir / "profile-serve.yaml"
     config.write_text(json.dumps(serve_config("priority", args.engine, args.engine_profile)))
-    out = args.profile_out or logdir / "profile-through-gateway"
+    out = (args.profile_out or logdir / "profile-through-gateway") / f"load-{tag}"
     cmd = [
         lg.TIDEGATE,
         "profile",
@@ -224,7 +259,7 @@ def profile_through_gateway(args: argparse.Namespace, logdir: Path) -> Path:
         cmd[2:2] = ["--engine", "simulated"]
     print(f"  profiling through the gateway: {' '.join(cmd[1:])}", flush=True)
     started = time.monotonic()
-    with (logdir / "profile.log").open("wb") as log:
+    with (logdir / f"profile-{tag}.log").open("wb") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     if code != 0:
         raise RuntimeError(f"tidegate profile --through-gateway exited {code}: see {logdir}")
@@ -435,6 +470,7 @@ def real_run(
         "load": load,
         "engine": args.engine,
         "cpus": os.cpu_count(),
+        "worker_batches": asdict(batches),  # what the worker's /metrics said of the run
     }
     return RecordedRun(MODEL, "embeddings", config, requests, idle_s, str(path), meta), batches
 
@@ -470,7 +506,45 @@ def one_run(
         * 1e3,
         "validation": validation_data(validation),
     }
-    return RunOutcome(load, policy, list(validation.figures), notes)
+    outcome = RunOutcome(load, policy, list(validation.figures), notes)
+    profiled_ms = service.batch.batch_s(max(1, round(real_batches.mean_size)), 0) * 1e3
+    if real_batches.count and profiled_ms > 0:
+        factor = real_batches.mean_ms / profiled_ms
+        again, _, _ = validate(run, rescaled_service(args.profile, factor), TOLERANCES)
+        notes["rescale_factor"] = factor
+        notes["rescaled_network_ms"] = again.network_s * 1e3
+        notes["rescaled_validation"] = validation_data(again)
+        outcome.rescaled = list(again.figures)
+    return outcome
+
+
+def rescaled_lines(outcomes: list[RunOutcome]) -> list[str]:
+    """p50/p95 errors with the profile rescaled to each run's own engine time (diagnostic)."""
+    lines = [
+        "| run | profile x | class | p50 error | p95 error | throughput error |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    judged: list[Figure] = []
+    for o in outcomes:
+        if o.rescaled is None:
+            continue
+        for cls, _ in MIX:
+            got = {f.name: f for f in o.rescaled if f.cls == cls}
+            if "e2e p50 ms" not in got:
+                continue
+            judged += [got["e2e p50 ms"], got["e2e p95 ms"]]
+            lines.append(
+                f"| {o.load:.0%} {o.policy} | {o.notes['rescale_factor']:.2f} | {cls} "
+                f"| {pct(got['e2e p50 ms'].error)} | {pct(got['e2e p95 ms'].error)} "
+                f"| {pct(got['throughput /s'].error)} |"
+            )
+    ok = sum(f.ok for f in judged)
+    lines.append("")
+    lines.append(
+        f"diagnostic (not the target): with each run's own engine time, p50/p95 within "
+        f"{TOLERANCES.percentile:.0%}: {ok} of {len(judged)}"
+    )
+    return lines
 
 
 # ----------------------------------------------------------------------------- report
@@ -596,7 +670,15 @@ def parse_args() -> argparse.Namespace:
         type=Path,
         help="a profile to use instead of measuring one through the gateway first",
     )
-    parser.add_argument("--profile-out", type=Path, help="keep the through-gateway profile here")
+    parser.add_argument(
+        "--profile-out", type=Path, help="keep the through-gateway profiles here (load-X/)"
+    )
+    parser.add_argument(
+        "--profile-every-load",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="profile again before each load (default: minilm yes, smollm2 no)",
+    )
     parser.add_argument("--profile-min-s", type=float, default=4.0)
     parser.add_argument("--profile-max-s", type=float, default=12.0)
     parser.add_argument("--model", choices=tuple(SPECS), default="minilm")
@@ -644,26 +726,22 @@ def main() -> int:
     capacity = math.nan
     try:
         with lg.processes("bench_sim_fidelity") as logdir:  # SIGTERM too: every child stopped
-            if args.profile is None:
-                args.profile = profile_through_gateway(args, logdir)
-            profile = load_profile(args.profile)
-            if profile.task != SPEC.task:
-                raise RuntimeError(f"{args.profile} is a {profile.task} profile; {MODEL} is not")
-            capacity = capacity_per_s(profile)
-            curve = profile.batch_latency_ms or profile.ttft_ms
-            assert curve is not None
-            print(
-                f"  profile {args.profile} (through the gateway: "
-                f"{profile.raw.get('measured', {}).get('through_gateway')}): "
-                + ", ".join(f"{x:g}: {y:.1f} ms" for x, y in zip(curve.xs, curve.ys, strict=True))
-                + f"; capacity {capacity:,.2f} requests/s",
-                flush=True,
+            fixed = args.profile is not None
+            every = (
+                SPEC.task == "embeddings"
+                if args.profile_every_load is None
+                else (args.profile_every_load)
             )
-            for load in (float(x) for x in args.loads.split(",")):
+            for index, load in enumerate(float(x) for x in args.loads.split(",")):
+                if not fixed and (index == 0 or every):
+                    args.profile = profile_through_gateway(args, logdir, f"{load:g}")
+                capacity = show_profile(args.profile)
                 arrivals = arrivals_for(args.trace, load * capacity, args.duration_s, args.seed)
                 for policy in args.policies.split(","):
                     print(f"  load {load:.0%} ({len(arrivals):,} requests), {policy}", flush=True)
-                    outcomes.append(one_run(load, policy, arrivals, args, logdir))
+                    outcome = one_run(load, policy, arrivals, args, logdir)
+                    outcome.notes |= {"profile": str(args.profile), "capacity_per_s": capacity}
+                    outcomes.append(outcome)
     except BaseException:
         failure = traceback.format_exc()
         traceback.print_exc()
@@ -680,6 +758,8 @@ def main() -> int:
     if SPEC.task == "embeddings":
         print()
         print(diagnostics(outcomes))
+        print()
+        print("\n".join(rescaled_lines(outcomes)))
     print("```")
     for line in verdicts(outcomes):
         print(line)

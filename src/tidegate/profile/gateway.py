@@ -11,11 +11,13 @@ times the stack itself reports: the worker's ``tidegate_batch_duration_seconds``
 ``/admin/replicas``), never the client's latencies. The profile it writes is the ordinary
 one, so the simulator and the simulated engine read it unchanged.
 
-- Embeddings: for B = 1, 2, 4 ... ``--max-batch``, ``tidegate serve`` with the model's
-  ``batching.max_batch_size`` set to B (one replica, the config's window, slots 2 x B) and 2*B
-  requests in flight through the gateway; the curve is the worker's mean engine time per
-  batch against the mean batch it formed. No window or concurrency sweep: the config says
-  how the deployment batches.
+- Embeddings: one ``tidegate serve`` with the model's ``batching.max_batch_size`` set to
+  ``--max-batch`` (one replica, the config's window and slots) and 1, 2, 4 ... 2 x max batch
+  requests in flight through the gateway, every level measured: the batches it forms span 1
+  to max batch, and the curve is the worker's mean engine time per batch against the mean
+  batch it formed at each level. One start instead of one per batch size (a stack takes
+  about 10 s to start here), so the profile can be measured again just before the load it
+  is meant for on a machine whose other work comes and goes.
 - Generation: one ``tidegate serve`` with ``max_num_seqs`` = ``--max-batch``, the concurrency
   sweep through the gateway (the worker reports no per-step time: the time to first token
   and inter-token latency are the client's, which include the gateway and the HTTP, so the

@@ -180,18 +180,20 @@ class Planner:
                     url, meter = started
                     await self._concurrency_sweep(session, url, meter, (o.max_batch, None), levels)
             return
-        batches = o.batch_sizes()
-        self._expect("batch", len(batches))
+        # One stack as deployed (max batch --max-batch, the config's window and slots); the
+        # batches it forms at 1, 2, 4 ... 2 x max batch in flight span 1 to max batch. Every
+        # level is measured: the curve needs the large batches an overload forms.
+        levels = o.concurrency_levels(2 * o.max_batch)
+        self._expect("concurrency", len(levels))
         window = configured_window(base, o.model)
-        for index, batch in enumerate(batches):
-            if self.stop.is_set():
+        async with self._stack(session, base, task, o.max_batch) as started:
+            if started is None:
                 return
-            spec = PointSpec("batch", 2 * batch, batch, window)
-            async with self._stack(session, base, task, batch) as started:
-                if started is not None:
-                    await self._measure(session, started[0], started[1], spec)
-            if self._stops_climbing("batch", batches[index + 1 :]):
-                break
+            for level in levels:
+                if self.stop.is_set():
+                    return
+                spec = PointSpec("concurrency", level, o.max_batch, window)
+                await self._measure(session, started[0], started[1], spec)
 
     @contextlib.asynccontextmanager
     async def _stack(
