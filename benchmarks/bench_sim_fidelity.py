@@ -363,14 +363,18 @@ def probe_generate_s(url: str) -> float:
     return statistics.median(firsts)
 
 
-def probe_s(url: str) -> float:
-    """Median latency of PROBES lone requests, one at a time (after a few to warm up)."""
+def probe_s(url: str) -> tuple[float, float | None]:
+    """Median latency of PROBES lone requests, one at a time (after a few to warm up), and
+    (embeddings) the worker's mean engine time per batch over them, from its /metrics."""
     if SPEC.task == "generate":
-        return probe_generate_s(url)
+        return probe_generate_s(url), None
     body = bg.bodies(MODEL)
     latencies = []
+    before = (0.0, 0.0, 0.0)
     with httpx.Client(timeout=30) as client:
         for i in range(PROBES + 5):
+            if i == 5:
+                before = worker_batches(url)
             started = time.perf_counter()
             response = client.post(
                 f"{url}/v1/embeddings",
@@ -380,7 +384,8 @@ def probe_s(url: str) -> float:
             response.raise_for_status()
             if i >= 5:
                 latencies.append(time.perf_counter() - started)
-    return statistics.median(latencies)
+    probes = batches_between(before, worker_batches(url))
+    return statistics.median(latencies), probes.mean_ms / 1e3 if probes.count else None
 
 
 def worker_batches(gateway_url: str) -> tuple[float, float, float]:
@@ -415,7 +420,7 @@ def real_run(
     path.write_text(json.dumps(config))  # YAML 1.2
     child = lg.start_serve(f"serve-{policy}-{load:g}", logdir, path, MODEL)
     try:
-        idle_s = probe_s(child.url)
+        idle_s, idle_engine_s = probe_s(child.url)
         if SPEC.task == "generate":
             import asyncio
 
@@ -472,7 +477,8 @@ def real_run(
         "cpus": os.cpu_count(),
         "worker_batches": asdict(batches),  # what the worker's /metrics said of the run
     }
-    return RecordedRun(MODEL, "embeddings", config, requests, idle_s, str(path), meta), batches
+    run = RecordedRun(MODEL, "embeddings", config, requests, idle_s, str(path), meta, idle_engine_s)
+    return run, batches
 
 
 def one_run(
@@ -498,6 +504,7 @@ def one_run(
     notes = {
         "network_ms": validation.network_s * 1e3,
         "idle_round_trip_ms": (run.idle_round_trip_s or 0.0) * 1e3,
+        "idle_engine_ms": (run.idle_engine_s or 0.0) * 1e3,
         "real_batches": asdict(real_batches),
         "sim_batches": asdict(Batches(count, mean_size, engine_s / count * 1e3 if count else 0)),
         "profile_ms_at_real_mean_size": service.batch.batch_s(
@@ -594,7 +601,7 @@ def pct(value: float) -> str:
 
 def diagnostics(outcomes: list[RunOutcome]) -> str:
     lines = [
-        "| run | idle round trip ms | round trip added ms | batches real / sim "
+        "| run | idle round trip ms (engine) | round trip added ms | batches real / sim "
         "| mean batch real / sim | engine ms per batch: real / profile at that size / sim |",
         "|---|---:|---:|---:|---:|---:|",
     ]
@@ -602,7 +609,8 @@ def diagnostics(outcomes: list[RunOutcome]) -> str:
         n = o.notes
         real, sim = n["real_batches"], n["sim_batches"]
         lines.append(
-            f"| {o.load:.0%} {o.policy} | {n['idle_round_trip_ms']:.1f} | {n['network_ms']:.1f} "
+            f"| {o.load:.0%} {o.policy} | {n['idle_round_trip_ms']:.1f} "
+            f"({n['idle_engine_ms']:.1f}) | {n['network_ms']:.1f} "
             f"| {real['count']:,.0f} / {sim['count']:,.0f} "
             f"| {real['mean_size']:.1f} / {sim['mean_size']:.1f} "
             f"| {real['mean_ms']:.1f} / {n['profile_ms_at_real_mean_size']:.1f} "

@@ -225,3 +225,25 @@ def test_a_generation_run_compares_time_to_first_token_and_end_to_end() -> None:
     assert all(f.error > 0.5 for f in ttft)  # the slower model is pessimistic, and says so
     with pytest.raises(ValueError, match="embeddings"):
         validate(run, flat_batch_service(10.0))
+
+
+def test_the_engine_time_of_the_probe_replaces_the_profiles_in_the_round_trip(
+    tmp_path: Path,
+) -> None:
+    from dataclasses import replace
+
+    from tidegate.sim.validate import lone_request_s, network_s_for
+
+    run = recorded_from_simulation(20.0, arrivals(50.0, 50))
+    service = flat_batch_service(20.0)
+    lone = lone_request_s(run, service)
+    outside = lone - 0.020  # the batch window the simulator waits for a lone request
+    assert outside >= 0
+    probed = replace(run, idle_round_trip_s=0.050)
+    assert network_s_for(probed, service) == pytest.approx(0.050 - lone)
+    # The worker said its engine took 30 ms then (the profile says 20): the 10 ms more were
+    # the engine's, not the network's.
+    measured = replace(probed, idle_engine_s=0.030)
+    assert network_s_for(measured, service) == pytest.approx(0.050 - 0.030 - outside)
+    write_run(tmp_path / "run.json", measured)
+    assert load_run(tmp_path / "run.json").idle_engine_s == pytest.approx(0.030)

@@ -11,7 +11,9 @@ The replay uses the same config (parsed by the server's own loader), the given s
 (a profile) and the identical arrivals. The round trip the simulator does not model (HTTP,
 JSON, the proxy) is the run's idle round trip minus what the simulator predicts for one lone
 request on an idle replica, added to every request as ``network_s``: a measurement of the
-run, not a fitted parameter.
+run, not a fitted parameter. When the run file also has the engine time the worker reported
+for those lone requests (``idle_engine_ms``), that replaces the profile's (see
+``network_s_for``).
 
 Compared per priority: p50/p95/p99 of completed requests (end to end; generation also time
 to first token), throughput (completed per second over the side's own span, first arrival
@@ -78,6 +80,7 @@ class RecordedRun:
     idle_round_trip_s: float | None = None  # a lone request on the idle server (median)
     source: str = "<run>"
     meta: Mapping[str, Any] = field(default_factory=dict)  # who recorded it, when, where
+    idle_engine_s: float | None = None  # embeddings: the worker's engine time per lone batch
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ def run_data(run: RecordedRun) -> dict[str, Any]:
         "idle_round_trip_ms": None
         if run.idle_round_trip_s is None
         else round(run.idle_round_trip_s * 1e3, 3),
+        "idle_engine_ms": None if run.idle_engine_s is None else round(run.idle_engine_s * 1e3, 3),
         "meta": dict(run.meta),
         "requests": [
             {
@@ -164,6 +168,7 @@ def parse_run(data: Any, source: str) -> RecordedRun:
     if not requests:
         raise ConfigError(source, "requests", "empty", fix)
     idle = data.get("idle_round_trip_ms")
+    engine = data.get("idle_engine_ms")
     return RecordedRun(
         str(data["model"]),
         str(data["task"]),
@@ -172,6 +177,7 @@ def parse_run(data: Any, source: str) -> RecordedRun:
         None if idle is None else float(idle) / 1e3,
         source,
         dict(data.get("meta") or {}),
+        None if engine is None else float(engine) / 1e3,
     )
 
 
@@ -243,9 +249,22 @@ def lone_request_s(run: RecordedRun, service: ServiceModel) -> float:
 
 
 def network_s_for(run: RecordedRun, service: ServiceModel) -> float:
+    """The round trip outside what the simulator models (module docstring).
+
+    With ``idle_engine_s`` (the engine time the worker reported for those lone requests),
+    the engine's part of the idle round trip is the measured one, not the profile's: what
+    is left is the time outside the engine, less what the simulator itself spends outside
+    the engine for a lone request (the batch window). This keeps a slow or fast moment of
+    the engine during the probe out of the network term.
+    """
     if run.idle_round_trip_s is None:
         return 0.0
-    return max(0.0, run.idle_round_trip_s - lone_request_s(run, service))
+    lone_s = lone_request_s(run, service)
+    if run.idle_engine_s is not None and service.batch is not None:
+        first = run.requests[0]
+        outside_s = max(0.0, lone_s - service.batch.batch_s(1, first.prompt_tokens))
+        return max(0.0, run.idle_round_trip_s - run.idle_engine_s - outside_s)
+    return max(0.0, run.idle_round_trip_s - lone_s)
 
 
 def simulated_side(
