@@ -176,7 +176,7 @@ class _Resolver:
                 "name a header of your own for the tenant, e.g. X-Tenant",
             )
         for tenant in raw.weights:
-            if not TENANT_RE.match(tenant):
+            if not TENANT_RE.fullmatch(tenant):
                 self.fail(
                     f"tenancy.weights.{tenant}",
                     f"tenant {tenant!r} is not a valid tenant name",

@@ -115,6 +115,7 @@ def add_admin_routes(app: FastAPI, gateway: Gateway) -> None:
         return {
             model: {
                 "queued": len(gateway.dispatchers[model].queue),
+                "tenants": gateway.dispatchers[model].describe_tenants(),
                 "replicas": [
                     gateway.dispatchers[model].describe_replica(replica) for replica in replicas
                 ],

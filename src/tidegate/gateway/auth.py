@@ -6,6 +6,11 @@ needs a key with role ``admin`` (403 for another key); ``/metrics`` needs what
 ``WWW-Authenticate: Bearer``. With no keys configured the service is open (it binds
 127.0.0.1 by default), admin API included. Keys are matched in constant time
 (``TidegateConfig.key_for``).
+
+Tenant (fair sharing inside a level): the value of the header ``tenancy.header`` names when
+the operator configured one and the request carries it (1-64 characters of letters, digits
+and ``. _ : @ -``, else 400), else the key's name, else "" (one anonymous tenant). A tenant
+header the config does not name is ignored: a client cannot pick its own tenant.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 from fastapi import Request
 
 from tidegate.config import KeySpec, TidegateConfig
+from tidegate.config.values import TENANT_RE
 from tidegate.errors import Forbidden, InvalidRequest, PriorityForbidden, Unauthorized
 
 
@@ -50,6 +56,22 @@ def authorize_metrics(config: TidegateConfig, request: Request) -> None:
         authenticate(config, request.headers)
     elif mode == "admin":
         authorize_admin(config, request)
+
+
+def request_tenant(config: TidegateConfig, key: KeySpec | None, headers: Mapping[str, str]) -> str:
+    """Who the request is for (module docstring); InvalidRequest on a bad header value."""
+    header = config.tenancy.header
+    if header is not None:
+        value = headers.get(header)
+        if value is not None:
+            if not TENANT_RE.fullmatch(value):
+                raise InvalidRequest(
+                    f"header {header} must be 1-64 characters of letters, digits and . _ : @ -",
+                    param=header,
+                    code="invalid_tenant",
+                )
+            return value
+    return key.name if key is not None else ""
 
 
 def requested_level(

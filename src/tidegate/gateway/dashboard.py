@@ -139,7 +139,11 @@ async def snapshot(gateway: Gateway, app: FastAPI, token: str | None) -> dict[st
         "history_s": HISTORY_S,
         "levels": list(config.levels),
         "models": {
-            name: {"task": config.model(name).task, "pools": list(config.model(name).pools)}
+            name: {
+                "task": config.model(name).task,
+                "pools": list(config.model(name).pools),
+                "tenants": gateway.dispatchers[name].describe_tenants(),
+            }
             for name in config.models
         },
         "samples": samples,

@@ -16,6 +16,10 @@ Replicas ejected by passive failure detection (``record_answer``, core.outliers)
 out while others serve their levels (``routable_views``); the timer also wakes the task
 when one returns.
 
+Fair sharing (``tenancy.fair_sharing``): the queue picks inside a level by tenant (core.fairness);
+a pick charges the request's token estimate, and ``settle`` replaces it with the answer's
+``usage`` once a non-streamed answer is complete (a stream keeps its estimate).
+
 No ready replica: a request is still admitted and waits (bounded by its level's queue
 timeout, 504 after) while one is coming (starting, warming, being restarted, or cold-started
 on demand); when none is coming it gets 503 with a Retry-After of the model's measured
@@ -28,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -192,6 +197,24 @@ class ModelDispatcher:
             self.queue.drain.record(self.clock.now())
         self._dispatch(self.clock.now())
         self._notify()
+
+    def settle(self, request: Request, body: bytes | None) -> None:
+        """A completed answer's ``usage`` (prompt and completion tokens) settles its tenant's
+        fair-share counter in place of the estimate charged at its pick. No-op without fair
+        sharing, or when the answer has no usage to read."""
+        if self.queue.fair is None or body is None:
+            return
+        usage = _usage(body)
+        if usage is not None:
+            self.queue.settle(request, *usage)
+
+    def describe_tenants(self) -> dict[str, object]:
+        """Fair sharing's state: per tenant its virtual token counter, queued and share."""
+        fair = self.queue.fair
+        return {
+            "fair_sharing": fair is not None,
+            "tenants": self.queue.tenants(),
+        }
 
     def _notify(self) -> None:
         if self.on_release is not None:
@@ -374,6 +397,31 @@ class ModelDispatcher:
             "startup_s": None if replica.startup_s is None else round(replica.startup_s, 3),
             "outlier": replica.outlier.describe(self.clock.now()),
         }
+
+
+_USAGE_KEY = b'"usage"'
+_DECODER = json.JSONDecoder()
+
+
+def _usage(body: bytes) -> tuple[int, int] | None:
+    """(prompt_tokens, completion_tokens) of an OpenAI answer's ``usage``, read from its last
+    ``"usage"`` key only (an embeddings answer's vectors are not parsed); None when absent."""
+    at = body.rfind(_USAGE_KEY)
+    if at < 0:
+        return None
+    text = body[at + len(_USAGE_KEY) :].decode("utf-8", "replace").lstrip()
+    if not text.startswith(":"):
+        return None
+    try:
+        usage, _ = _DECODER.raw_decode(text[1:].lstrip())
+    except ValueError:
+        return None
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens", 0)
+    if type(prompt) is int and type(completion) is int and prompt >= 0 and completion >= 0:
+        return prompt, completion  # not bool, a subclass of int
+    return None
 
 
 def _earliest(*times: float | None) -> float | None:

@@ -42,7 +42,7 @@ from tidegate.errors import (
     TidegateError,
 )
 from tidegate.fastroute import Reply, error_reply
-from tidegate.gateway.auth import authenticate, requested_level
+from tidegate.gateway.auth import authenticate, request_tenant, requested_level
 from tidegate.gateway.dispatcher import ModelDispatcher, Ticket
 from tidegate.gateway.proxy import ConnectFailed, Forwarded, ReplicaGone, forward
 from tidegate.gateway.replicas import Replica
@@ -211,7 +211,10 @@ async def _admit_and_forward(
     call.priority = config.level_names[level] if not config.fifo else "fifo"
     stream = not isinstance(parsed, wire.EmbeddingsRequest) and parsed.stream
     dispatcher = gateway.dispatchers[model]
-    core = CoreRequest(call.rid, model, level, call.started, None, estimate_tokens(parsed))
+    tenant = request_tenant(config, key, headers_in)  # 400 on a bad trusted header
+    core = CoreRequest(
+        call.rid, model, level, call.started, None, estimate_tokens(parsed), tenant=tenant
+    )
     try:  # before the queue: a key over its quota displaces nobody
         quota = gateway.quotas.check(key, core.cost_tokens)
     except TidegateError:
@@ -271,6 +274,8 @@ async def _admit_and_forward(
             ticket = dispatcher.retry(ticket, replica)
             continue
         dispatcher.record_answer(replica, ok=forwarded.status < 500)  # outlier detection
+        if forwarded.status < 400:
+            dispatcher.settle(ticket.request, forwarded.body)  # fair sharing: usage served
         return _respond(gateway, dispatcher, replica, forwarded, call)
 
 

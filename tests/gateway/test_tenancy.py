@@ -1,0 +1,107 @@
+"""Tenants through the real HTTP path: the key's name, or a header only when the operator
+trusts one; a bad header value is a 400; the answer's usage settles the tenant's counter."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gateway.harness import flat_profile, gateway_client, sim_config, sim_worker
+from tidegate.gateway.dispatcher import _usage
+from tidegate.gateway.state import Gateway
+
+LIGHT, HEAVY = "sk-light", "sk-heavy"
+KEYS = [
+    {"name": name, "sha256": hashlib.sha256(secret.encode()).hexdigest()}
+    for name, secret in (("light", LIGHT), ("heavy", HEAVY))
+]
+
+
+@contextlib.asynccontextmanager
+async def _served(
+    tmp_path: Path, tenancy: dict[str, Any], keys: bool = True
+) -> AsyncIterator[tuple[httpx.AsyncClient, Gateway]]:
+    profile = flat_profile(tmp_path / "flat.json", 1.0)
+    with sim_worker(profile) as worker:
+        sections: dict[str, Any] = {"tenancy": tenancy}
+        if keys:
+            sections["keys"] = KEYS
+        data = sim_config(worker.url, **sections)
+        async with gateway_client(data, [worker.url], 4) as served:
+            yield served
+
+
+async def _embed(
+    client: httpx.AsyncClient, secret: str | None, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    sent = dict(headers or {})
+    if secret is not None:
+        sent["Authorization"] = f"Bearer {secret}"
+    return await client.post(
+        "/v1/embeddings", json={"model": "sim", "input": "hello there"}, headers=sent
+    )
+
+
+@pytest.mark.asyncio
+async def test_the_key_names_the_tenant_and_usage_settles_its_counter(tmp_path: Path) -> None:
+    async with _served(tmp_path, {"fair_sharing": True, "lag_tokens": 0}) as (client, gateway):
+        queue = gateway.dispatchers["sim"].queue
+        first = await _embed(client, LIGHT, {"X-Tenant": "spoofed"})  # the header: not trusted
+        assert first.status_code == 200, first.text
+        # The pick charged the estimate; the answer's usage replaced it: input tokens x 1.
+        assert queue.tenants()["light"]["counter"] == first.json()["usage"]["prompt_tokens"]
+        for _ in range(2):
+            assert (await _embed(client, HEAVY, {"X-Tenant": "spoofed"})).status_code == 200
+        tenants = queue.tenants()
+    assert set(tenants) == {"light", "heavy"}
+    assert tenants["heavy"]["counter"] > tenants["light"]["counter"]
+
+
+@pytest.mark.asyncio
+async def test_a_trusted_header_names_the_tenant(tmp_path: Path) -> None:
+    tenancy = {"header": "X-Tenant", "fair_sharing": True}
+    async with _served(tmp_path, tenancy, keys=False) as (client, gateway):
+        assert (await _embed(client, None, {"X-Tenant": "team-a"})).status_code == 200
+        assert (await _embed(client, None)).status_code == 200  # none: the anonymous tenant
+        for bad in ("x" * 65, "a b", "é"):
+            response = await _embed(client, None, {"X-Tenant": bad})
+            assert response.status_code == 400, bad
+            error = response.json()["error"]
+            assert error["code"] == "invalid_tenant"
+            assert error["param"] == "x-tenant"
+        view = (await client.get("/admin/replicas")).json()["sim"]["tenants"]
+    assert view["fair_sharing"] is True
+    assert set(view["tenants"]) == {"team-a", ""}
+    assert all(tenant["queued"] == 0 for tenant in view["tenants"].values())
+    assert gateway.dispatchers["sim"].queue.outcome_counts()  # the 400s never queued
+    assert sum(gateway.dispatchers["sim"].queue.outcome_counts().values()) == 4  # 2 x (Q, D)
+
+
+@pytest.mark.asyncio
+async def test_without_fair_sharing_the_queue_keeps_no_counters(tmp_path: Path) -> None:
+    async with _served(tmp_path, {}) as (client, gateway):
+        assert (await _embed(client, LIGHT)).status_code == 200
+        assert gateway.dispatchers["sim"].queue.tenants() == {}
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b'{"data": [], "usage": {"prompt_tokens": 7, "total_tokens": 7}}', (7, 0)),
+        (b'{"usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}', (3, 5)),
+        (b'{"choices": [{"text": "\\"usage\\""}], "usage" : {"prompt_tokens": 1}}', (1, 0)),
+        (b'{"data": []}', None),
+        (b'{"usage": null}', None),
+        (b'{"usage": {"prompt_tokens": true}}', None),
+        (b'{"usage": {"prompt_tokens": -1}}', None),
+        (b'{"usage": {"prompt_tokens": 1', None),
+    ],
+)
+def test_answer_usage_parsed(body: bytes, expected: tuple[int, int] | None) -> None:
+    assert _usage(body) == expected
