@@ -503,21 +503,32 @@ def explain(
         bool, typer.Option("--all", help="Show holds too, not only changes.")
     ] = False,
 ) -> None:
-    """Why a model has the replicas it has: the autoscaler's recent decisions and their rules."""
+    """Why a model has the replicas it has (the autoscaler's recent decisions and their
+    rules), and who its queue serves next (fair sharing's per-tenant counters)."""
     import httpx
 
-    from tidegate.control.explain import fetch_autoscaler, fetch_failure, format_decisions
+    from tidegate.control.explain import (
+        fetch_autoscaler,
+        fetch_failure,
+        fetch_tenants,
+        format_decisions,
+        format_tenants,
+    )
 
     try:
         models = fetch_autoscaler(url, key)["models"]
+        tenants = fetch_tenants(url, key)
     except httpx.HTTPError as exc:
         typer.echo(f"error: {fetch_failure(url, exc, key_given=bool(key))}", err=True)
         raise typer.Exit(1) from None
-    if model not in models:
+    if model not in models and model not in tenants:
         known = ", ".join(models) or "none"
         typer.echo(f"error: {model} is not autoscaled here; autoscaled: {known}", err=True)
         raise typer.Exit(1)
-    typer.echo(format_decisions(model, models[model], last, changes_only=not all_decisions))
+    if model in models:
+        typer.echo(format_decisions(model, models[model], last, changes_only=not all_decisions))
+    if model in tenants:
+        typer.echo(format_tenants(model, tenants[model]))
 
 
 @app.command()

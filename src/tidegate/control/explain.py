@@ -29,6 +29,36 @@ def fetch_autoscaler(url: str, key: str | None) -> dict[str, Any]:
     return dict(response.json())
 
 
+def fetch_tenants(url: str, key: str | None) -> dict[str, Any]:
+    """Per model, fair sharing's state (``GET /admin/replicas``): on, and per tenant its
+    virtual token counter, queued requests and share."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.get(f"{url.rstrip('/')}/admin/replicas", headers=headers, timeout=10)
+    response.raise_for_status()
+    return {model: view.get("tenants", {}) for model, view in response.json().items()}
+
+
+def format_tenants(model: str, described: dict[str, Any]) -> str:
+    """Why the next request of a level goes to whom: each tenant's counter, least first."""
+    if not described.get("fair_sharing"):
+        return f"{model}: fair sharing off: first come, first served inside each level"
+    tenants = described.get("tenants", {})
+    if not tenants:
+        return f"{model}: fair sharing on; no tenant served yet"
+    lines = [
+        f"{model}: fair sharing on: inside a level, the backlogged tenant with the least "
+        "virtual tokens served goes next"
+    ]
+    ordered = sorted(tenants.items(), key=lambda item: (item[1]["counter"], item[0]))
+    for tenant, state in ordered:
+        share = f", share {state['share']:g}" if state.get("share", 1.0) != 1.0 else ""
+        lines.append(
+            f"  {tenant or '(anonymous)'}: {state['counter']:,.1f} virtual tokens, "
+            f"{state['queued']} queued{share}"
+        )
+    return "\n".join(lines)
+
+
 def fetch_failure(url: str, exc: httpx.HTTPError, key_given: bool) -> str:
     """One line on why the gateway did not answer, and what to do about it."""
     where = f"{url.rstrip('/')}/admin/autoscaler"

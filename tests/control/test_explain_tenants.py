@@ -1,0 +1,34 @@
+"""``tidegate explain``'s fair-sharing lines (control.explain.format_tenants)."""
+
+from __future__ import annotations
+
+from tidegate.control.explain import format_tenants
+
+
+def test_off() -> None:
+    assert "fair sharing off" in format_tenants("m", {"fair_sharing": False, "tenants": {}})
+
+
+def test_nobody_yet() -> None:
+    assert "no tenant served yet" in format_tenants("m", {"fair_sharing": True, "tenants": {}})
+
+
+def test_least_served_first_with_shares_and_the_anonymous_tenant() -> None:
+    text = format_tenants(
+        "m",
+        {
+            "fair_sharing": True,
+            "tenants": {
+                "heavy": {"counter": 5000.0, "queued": 900, "share": 1.0},
+                "": {"counter": 10.0, "queued": 0, "share": 1.0},
+                "acme": {"counter": 1200.5, "queued": 2, "share": 2.0},
+            },
+        },
+    )
+    lines = text.splitlines()
+    assert lines[0].startswith("m: fair sharing on")
+    assert lines[1:] == [
+        "  (anonymous): 10.0 virtual tokens, 0 queued",
+        "  acme: 1,200.5 virtual tokens, 2 queued, share 2",
+        "  heavy: 5,000.0 virtual tokens, 900 queued",
+    ]
