@@ -34,6 +34,7 @@ BENCHMARKS = (
     "bench_sim_fidelity",
     "bench_autoscale",
     "bench_prefix",
+    "bench_fairness",
 )
 VERDICTS = ("PASS", "MISS", "ERROR")
 
