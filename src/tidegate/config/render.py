@@ -116,6 +116,16 @@ def _render_model(model: ModelSpec) -> dict[str, Any]:
         "timeout_s": dict(model.queue.timeout_s),
         "holdback": dict(model.queue.holdback),
     }
+    if model.task == "generate":
+        affinity = model.routing.affinity
+        out["routing"] = {"policy": model.routing.policy}
+        if affinity is not None:
+            out["routing"].update(
+                load_factor=affinity.load_factor,
+                slack=affinity.slack,
+                block_chars=model.routing.block_chars,
+                num_blocks=model.routing.num_blocks,
+            )
     out["gpu"] = "exclusive" if model.exclusive else "shared"
     out["memory_mb"] = model.memory_mb
     out["drain_timeout_s"] = model.drain_timeout_s

@@ -24,6 +24,7 @@ from tidegate.config.schema import (
     _PrioritiesIn,
     _QueueIn,
     _RateLimitIn,
+    _RoutingIn,
     _TenancyIn,
 )
 from tidegate.config.values import (
@@ -42,6 +43,7 @@ from tidegate.config.values import (
     PoolConfig,
     QueueSpec,
     RateLimitSpec,
+    RoutingSpec,
     TenancySettings,
     TidegateConfig,
     UpstreamKey,
@@ -49,6 +51,7 @@ from tidegate.config.values import (
 from tidegate.core.fairness import FairnessConfig
 from tidegate.core.outliers import OutlierConfig
 from tidegate.core.placement import Device
+from tidegate.core.prefix import PrefixAffinity
 from tidegate.core.queue import AgingConfig
 from tidegate.engines import smollm2
 from tidegate.engines.registry import KNOWN_MODELS
@@ -377,6 +380,23 @@ class _Resolver:
             probe_max_ms=m.probe_max_ms,
             engine_process=m.engine_process,
             upstream_keys=upstream_keys if any(upstream_keys) else (),
+            routing=self._routing(m.routing, f"{key}.routing", task),
+        )
+
+    def _routing(self, r: _RoutingIn | None, key: str, task: str) -> RoutingSpec:
+        if r is None or r.policy == "least_loaded":
+            return RoutingSpec()
+        if task != "generate":
+            self.fail(
+                f"{key}.policy",
+                "prefix_affinity routing is for generate models: it keeps prompts that share "
+                f"a prefix on the replica whose prefix cache holds it (this model: task {task})",
+                "remove routing, or set policy: least_loaded",
+            )
+        return RoutingSpec(
+            affinity=PrefixAffinity(load_factor=r.load_factor, slack=r.slack),
+            num_blocks=r.num_blocks,
+            block_chars=r.block_chars,
         )
 
     def _engine_fields(self, m: _ModelIn, key: str, built_in: bool, task: str) -> None:

@@ -147,6 +147,16 @@ class _QueueIn(_Strict):
     holdback: dict[str, float | None] | None = None  # None: DEFAULT_HOLDBACK
 
 
+class _RoutingIn(_Strict):
+    """How the gateway picks a replica (core.routing, core.prefix)."""
+
+    policy: Literal["least_loaded", "prefix_affinity"] = "least_loaded"
+    load_factor: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.25
+    slack: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
+    block_chars: PositiveInt = 2048
+    num_blocks: PositiveInt = 2
+
+
 class _ModelIn(_Strict):
     name: Name
     task: Literal["embeddings", "generate"] | None = None
@@ -160,6 +170,7 @@ class _ModelIn(_Strict):
     slots: PositiveInt | None = None
     batching: _BatchingIn | None = None
     queue: _QueueIn | None = None
+    routing: _RoutingIn | None = None
     gpu: Literal["exclusive", "shared"] = "shared"
     memory_mb: PositiveInt | None = None  # None: from the profile, else the task's default
     drain_timeout_s: NonNegativeFloat = 30.0

@@ -16,6 +16,12 @@ from tidegate.core.batching import BatchConfig
 from tidegate.core.fairness import FairnessConfig
 from tidegate.core.outliers import OutlierConfig
 from tidegate.core.placement import Device
+from tidegate.core.prefix import (
+    DEFAULT_BLOCK_CHARS,
+    DEFAULT_NUM_BLOCKS,
+    PrefixAffinity,
+    text_key,
+)
 from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
 from tidegate.core.quota import BucketSpec, QuotaSpec
 from tidegate.core.routing import PoolSpec
@@ -90,6 +96,25 @@ class BatchingSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RoutingSpec:
+    """How the gateway picks a replica: the least loaded, or by prompt prefix (bounded)."""
+
+    affinity: PrefixAffinity | None = None  # None: least loaded
+    num_blocks: int = DEFAULT_NUM_BLOCKS  # leading blocks of the prompt in a prefix key
+    block_chars: int = DEFAULT_BLOCK_CHARS
+
+    @property
+    def policy(self) -> str:
+        return "least_loaded" if self.affinity is None else "prefix_affinity"
+
+    def prefix_key(self, prompt: str) -> int | None:
+        """The prompt's prefix key when routing by prefix (None: not, or too short)."""
+        if self.affinity is None:
+            return None
+        return text_key(prompt, self.num_blocks, self.block_chars)
+
+
+@dataclass(frozen=True, slots=True)
 class QueueSpec:
     max_size: int
     max_size_per_level: Mapping[str, int]
@@ -134,6 +159,7 @@ class ModelSpec:
     engine_process: bool | None = None
     # per upstream (same order as ``upstreams``): its API key, or None; () when none has one
     upstream_keys: tuple[UpstreamKey | None, ...] = ()
+    routing: RoutingSpec = RoutingSpec()
 
     def upstream_key(self, index: int) -> UpstreamKey | None:
         """The API key of ``upstreams[index]``, or None when it needs none."""

@@ -34,14 +34,15 @@ import dataclasses
 import itertools
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from tidegate.clock import SYSTEM_CLOCK, Clock
 from tidegate.core.outliers import OutlierAction, OutlierConfig, decide_outlier, routable_views
+from tidegate.core.prefix import PrefixAffinity
 from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
 from tidegate.core.request import Request
-from tidegate.core.routing import PoolSpec, pick_replica, servable_levels
+from tidegate.core.routing import PoolSpec, ReplicaView, pick_replica, servable_levels
 from tidegate.errors import InvalidRequest, NotReady, Overloaded, QueueTimeout
 from tidegate.gateway.replicas import Replica, ReplicaState
 from tidegate.metrics import GatewayMetrics
@@ -61,6 +62,7 @@ class Ticket:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     assigned_at: float | None = None
+    prefix_key: int | None = None  # prefix-affinity routing: the prompt's leading blocks
 
 
 class ModelDispatcher:
@@ -74,8 +76,10 @@ class ModelDispatcher:
         clock: Clock = SYSTEM_CLOCK,
         on_release: Callable[[], None] | None = None,
         outliers: OutlierConfig | None = None,
+        affinity: PrefixAffinity | None = None,
     ) -> None:
         self.model = model
+        self.affinity = affinity  # prefix-affinity routing (core.prefix); None: least loaded
         self.outliers = outliers or OutlierConfig()  # when a failing replica is ejected
         self.on_release = on_release  # tells a draining gateway that work finished
         self.queue = WaitQueue(queue)
@@ -114,8 +118,9 @@ class ModelDispatcher:
         """How full the queue is (0..1): what graded holdback compares with."""
         return len(self.queue) / self.queue.config.max_size
 
-    def submit(self, request: Request) -> Ticket:
-        """Admit and queue, or raise Overloaded (429) / NotReady (503)."""
+    def submit(self, request: Request, prefix_key: int | None = None) -> Ticket:
+        """Admit and queue, or raise Overloaded (429) / NotReady (503). ``prefix_key``: the
+        prompt's prefix key, for a model routed by prefix affinity (``affinity``)."""
         if self.closed is not None:
             raise NotReady(self.closed, code="shutting_down", retry_after_s=1.0)
         if request.priority in self._unservable:
@@ -150,7 +155,7 @@ class ModelDispatcher:
                     retry_after_s=self.queue.predicted_wait_s(victim.priority, now) or 1.0,
                 ),
             )
-        ticket = Ticket(request)
+        ticket = Ticket(request, prefix_key=prefix_key)
         self._tickets[request.id] = ticket
         self._dispatch(now)
         if (
@@ -309,32 +314,37 @@ class ModelDispatcher:
             # Its aged level matters only where its own level has no free slot (core.routing).
             aged = None if request.priority in levels else self.queue.aged_level(request, now)
             avoid = self._avoid.pop(request.id, None)
+            ticket = self._tickets.pop(request.id)
             view = None
             if avoid is not None:  # a retry: another replica if one has a free slot
                 others = [v for v in views.values() if v.id != avoid]
-                view = pick_replica(
-                    others,
-                    request.priority,
-                    self.pools,
-                    aged_level=aged,
-                    choice_key=next(self._choices),
-                )
+                view = self._pick(others, request, aged, ticket.prefix_key)
             if view is None:
-                view = pick_replica(
-                    views.values(),
-                    request.priority,
-                    self.pools,
-                    aged_level=aged,
-                    choice_key=next(self._choices),
-                )
+                view = self._pick(views.values(), request, aged, ticket.prefix_key)
             assert view is not None  # a servable level has an eligible replica
             replica = by_id[view.id]
             replica.in_flight += 1
             views[replica.id] = replica.view()
-            ticket = self._tickets.pop(request.id)
             ticket.assigned_at = now
             ticket.assigned.set_result(replica)
         return levels
+
+    def _pick(
+        self,
+        views: Collection[ReplicaView],
+        request: Request,
+        aged: int | None,
+        prefix_key: int | None,
+    ) -> ReplicaView | None:
+        return pick_replica(
+            views,
+            request.priority,
+            self.pools,
+            aged_level=aged,
+            choice_key=next(self._choices),
+            prefix_key=prefix_key,
+            affinity=self.affinity,
+        )
 
     def _wake_for_aging(self, levels: frozenset[int]) -> None:
         """Re-arm the owner task's timer when a queued request ages into ``levels`` sooner.

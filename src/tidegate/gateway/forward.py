@@ -32,6 +32,7 @@ from tidegate.asgi import (
     decode_json,
     sse,
 )
+from tidegate.config.values import RoutingSpec
 from tidegate.core.request import Request as CoreRequest
 from tidegate.errors import (
     InvalidRequest,
@@ -227,7 +228,7 @@ async def _admit_and_forward(
         if "priority" not in payload
         else json.dumps({k: v for k, v in payload.items() if k != "priority"}).encode()
     )
-    ticket = dispatcher.submit(core)  # raises 429 / 503
+    ticket = dispatcher.submit(core, _prefix_key(spec.routing, parsed))  # raises 429 / 503
     gateway.quotas.charge(key, quota)  # admitted: now it spends its key's quota
     worker_level = WORKER_LEVELS[min(level, len(WORKER_LEVELS) - 1)]
     headers = {
@@ -393,6 +394,15 @@ def _respond(
 
     call.outcome = "streaming"  # counted when the stream ends, not now
     return Reply(forwarded.status, headers, chunks=passthrough())
+
+
+def _prefix_key(routing: RoutingSpec, body: wire.EndpointRequest) -> int | None:
+    """The prompt's prefix key, for a model routed by prefix affinity (core.prefix)."""
+    if routing.affinity is None or isinstance(body, wire.EmbeddingsRequest):
+        return None
+    if isinstance(body, wire.CompletionRequest):
+        return routing.prefix_key(body.prompt_text())
+    return routing.prefix_key("".join(f"{m.role}\n{m.text()}\n" for m in body.messages))
 
 
 def estimate_tokens(body: wire.EndpointRequest) -> int:

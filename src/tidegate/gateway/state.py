@@ -69,6 +69,7 @@ class Gateway:
                 self.metrics,
                 on_release=self._released,
                 outliers=self.config.gateway.outlier_detection,
+                affinity=self.config.model(name).routing.affinity,
             )
             served = [pools[p].priorities for p in self.config.model(name).pools if p in pools]
             self.dispatchers[name].refuse_unservable(frozenset().union(*served))
