@@ -150,9 +150,8 @@ def capacity_per_s(profile: EngineProfile) -> float:
         assert ttft is not None
         assert itl is not None
         out = SPEC.output_tokens
-        return float(
-            max(c / ((ttft(c) + (out - 1) * itl(c)) / 1e3) for c in range(1, MAX_BATCH + 1))
-        )
+        cycles_s = {c: (ttft(c) + (out - 1) * itl(c)) / 1e3 for c in range(1, MAX_BATCH + 1)}
+        return float(max(c / cycle for c, cycle in cycles_s.items() if cycle > 0))
     curve = profile.batch_latency_ms
     assert curve is not None
     return float(max(n / (curve(n) / 1e3) for n in range(1, MAX_BATCH + 1) if curve(n) > 0))

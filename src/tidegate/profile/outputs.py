@@ -58,7 +58,9 @@ def _curves(
         running = [
             p
             for p in points
-            if p.ttft_mean_ms is not None and (not o.local or p.concurrency <= o.max_batch)
+            if p.ttft_mean_ms is not None
+            and p.num_requests > 0  # a point cut before any answer measured nothing
+            and (not o.local or p.concurrency <= o.max_batch)
         ]
         ttft = _curve({p.concurrency: p.ttft_mean_ms or 0.0 for p in running})
         itl = _curve({p.concurrency: p.itl_mean_ms or 0.0 for p in running})
