@@ -407,3 +407,52 @@ def test_newcomer_served_within_one_round(backlog: int, others: int, lag: float)
     pop_ids(queue, backlog)
     admit_all(queue, [treq("new", "newcomer", at=1000.0)])
     assert "new" in pop_ids(queue, others + 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("admit"), st.sampled_from(["a", "b", "c"]), st.integers(0, 30)),
+            st.tuples(st.just("pop"), st.none(), st.none()),
+            st.tuples(st.just("cancel"), st.none(), st.integers(0, 60)),
+        ),
+        max_size=120,
+    ),
+    st.floats(0.0, 50.0),
+)
+def test_picks_match_a_brute_force_vtc(ops: list[tuple[object, ...]], lag: float) -> None:
+    """One level, no aging: every pick is the least-counter tenant's oldest request (ties:
+    the earlier head), across tenants joining and leaving the level (split and merge)."""
+    config = FairnessConfig(lag_tokens=lag)
+    queue = fair_queue(fairness=config, levels=1)
+    model = VirtualTokenCounters(config)
+    queued: list[Request] = []  # in arrival order
+    for index, (op, tenant, number) in enumerate(ops):
+        if op == "admit":
+            assert isinstance(tenant, str)
+            assert isinstance(number, int)
+            request = treq(f"r{index}", tenant, at=float(index), tokens=number)
+            admit_all(queue, [request], now=float(index))
+            model.arrive(tenant)
+            queued.append(request)
+        elif op == "pop":
+            popped = queue.pop(1, float(index))
+            if not queued:
+                assert popped == ()
+                continue
+            heads: dict[str, Request] = {}
+            for request in queued:
+                heads.setdefault(request.tenant, request)
+            expected = min(heads.values(), key=lambda r: (model.counter(r.tenant), r.arrival_at))
+            assert [r.id for r in popped] == [expected.id]
+            model.charge_estimate(expected.tenant, expected.cost_tokens)
+            model.leave(expected.tenant)
+            queued.remove(expected)
+        elif queued:
+            assert isinstance(number, int)
+            victim = queued[number % len(queued)]
+            assert queue.cancel(victim.id) is not None
+            model.leave(victim.tenant)
+            queued.remove(victim)
+        assert sum(queue.tenant_depths(0).values()) == len(queued)

@@ -38,11 +38,15 @@ async def _served(
 
 
 async def _embed(
-    client: httpx.AsyncClient, secret: str | None, headers: dict[str, str] | None = None
+    client: httpx.AsyncClient, secret: str | None, headers: dict[str, str | bytes] | None = None
 ) -> httpx.Response:
-    sent = dict(headers or {})
+    # bytes: httpx sends a str header value as ASCII only
+    sent = {
+        name.encode(): v if isinstance(v, bytes) else v.encode()
+        for name, v in (headers or {}).items()
+    }
     if secret is not None:
-        sent["Authorization"] = f"Bearer {secret}"
+        sent[b"Authorization"] = f"Bearer {secret}".encode()
     return await client.post(
         "/v1/embeddings", json={"model": "sim", "input": "hello there"}, headers=sent
     )
@@ -69,7 +73,7 @@ async def test_a_trusted_header_names_the_tenant(tmp_path: Path) -> None:
     async with _served(tmp_path, tenancy, keys=False) as (client, gateway):
         assert (await _embed(client, None, {"X-Tenant": "team-a"})).status_code == 200
         assert (await _embed(client, None)).status_code == 200  # none: the anonymous tenant
-        for bad in ("x" * 65, "a b", "é"):
+        for bad in ("x" * 65, "a b", "é".encode()):
             response = await _embed(client, None, {"X-Tenant": bad})
             assert response.status_code == 400, bad
             error = response.json()["error"]

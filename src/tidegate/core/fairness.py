@@ -58,11 +58,20 @@ class FairnessConfig:
 class VirtualTokenCounters:
     """Per-tenant counters of weighted tokens served, and which tenants are backlogged."""
 
-    __slots__ = ("_backlog", "_config", "_counters", "_floor", "_prune_above", "_shares")
+    __slots__ = (
+        "_backlog",
+        "_config",
+        "_counters",
+        "_floor",
+        "_input_weight",
+        "_prune_above",
+        "_shares",
+    )
 
     def __init__(self, config: FairnessConfig | None = None) -> None:
         self._config = config or FairnessConfig()
         self._shares: Mapping[str, float] = dict(self._config.shares)
+        self._input_weight = self._config.input_weight
         self._counters: dict[str, float] = {}
         self._backlog: dict[str, int] = {}  # tenant -> queued requests; present iff > 0
         self._floor = 0.0  # the counter the last backlogged tenant left with
@@ -101,6 +110,13 @@ class VirtualTokenCounters:
         self._counters[tenant] = self._counters.get(tenant, self._floor) + self.scaled(
             tenant, weighted_tokens
         )
+
+    def charge_estimate(self, tenant: str, cost_tokens: int) -> None:
+        """``charge(tenant, estimate(cost_tokens))`` in one step: a pick's charge."""
+        weighted = self._input_weight * cost_tokens
+        if self._shares:
+            weighted /= self._shares.get(tenant, 1.0)
+        self._counters[tenant] = self._counters.get(tenant, self._floor) + weighted
 
     def scaled(self, tenant: str, weighted_tokens: float) -> float:
         """What ``charge(tenant, weighted_tokens)`` adds to the counter: divided by the share."""

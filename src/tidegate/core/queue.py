@@ -243,9 +243,12 @@ class WaitQueue:
         self.drain = DrainRate(self.config.drain_window_s, self.config.min_drain_samples)
         fairness = self.config.fairness
         self.fair = None if fairness is None else VirtualTokenCounters(fairness)
-        # Fair sharing only: per level, tenant -> its FIFO (front always alive) and live depth.
-        self._tenant_fifos: list[dict[str, deque[_Entry]]] = [{} for _ in range(num_levels)]
-        self._tenant_depths: list[dict[str, int]] = [{} for _ in range(num_levels)]
+        # Fair sharing only: per level, tenant -> its FIFO (front always alive) and live depth,
+        # kept once a second tenant joined the level until it is empty again; None while one
+        # tenant (``_sole``) holds it all: its FIFO is the level's (the single-tenant path).
+        self._tenant_fifos: list[dict[str, deque[_Entry]] | None] = [None] * num_levels
+        self._tenant_depths: list[dict[str, int] | None] = [None] * num_levels
+        self._sole = [""] * num_levels
 
     # ----------------------------------------------------------------- views
     def __len__(self) -> int:
@@ -284,7 +287,12 @@ class WaitQueue:
 
     def tenant_depths(self, level: int) -> dict[str, int]:
         """Queued requests per tenant at ``level`` ({} without fairness)."""
-        return dict(self._tenant_depths[level])
+        if self.fair is None:
+            return {}
+        depths = self._tenant_depths[level]
+        if depths is None:
+            return {self._sole[level]: self._depths[level]} if self._depths[level] else {}
+        return dict(depths)
 
     def oldest_arrival_at(self) -> float | None:
         fronts = [self._front(level) for level in range(len(self._fifos))]
@@ -462,8 +470,8 @@ class WaitQueue:
         fair = self.fair
         for entry in chosen:
             if fair is not None:
-                fair.charge(entry.request.tenant, fair.estimate(entry.request.cost_tokens))
-            self._remove(entry)
+                fair.charge_estimate(entry.request.tenant, entry.request.cost_tokens)
+            self._remove(entry)  # (fair sharing: the tenant leaves the backlog there)
             self._tally[entry.request.priority][_DISPATCHED] += 1
         # Picked entries were at the fronts of their FIFOs: drop them now, so dead entries
         # never pile up where every later pick would have to step over them.
@@ -533,12 +541,22 @@ class WaitQueue:
             heapq.heappush(self._deadlines, (deadline_at, entry.seq, entry))
 
     def _insert_tenant(self, entry: _Entry) -> None:
+        """Called with ``entry`` already in its level FIFO, before the depth counts it."""
         request = entry.request
         tenant = request.tenant
         level = request.priority
-        depths = self._tenant_depths[level]
-        depths[tenant] = depths.get(tenant, 0) + 1
+        assert self.fair is not None
+        self.fair.arrive(tenant)
         fifos = self._tenant_fifos[level]
+        if fifos is None:
+            if not self._depths[level]:
+                self._sole[level] = tenant
+            elif tenant != self._sole[level]:
+                self._split(level)
+            return
+        depths = self._tenant_depths[level]
+        assert depths is not None
+        depths[tenant] = depths.get(tenant, 0) + 1
         fifo = fifos.get(tenant)
         if fifo is None:
             fifos[tenant] = deque((entry,))
@@ -551,34 +569,58 @@ class WaitQueue:
                 if queued.request.arrival_at > request.arrival_at
             )
             fifo.insert(position, entry)
-        assert self.fair is not None
-        self.fair.arrive(tenant)
+
+    def _split(self, level: int) -> None:
+        """A second tenant joined ``level``: one FIFO per tenant from the level's, O(depth)
+        once; kept until the level is empty, so tenants coming and going do not repeat it."""
+        fifos: dict[str, deque[_Entry]] = {}
+        depths: dict[str, int] = {}
+        for entry in self._fifos[level]:
+            if entry.alive:
+                tenant = entry.request.tenant
+                fifo = fifos.get(tenant)
+                if fifo is None:
+                    fifos[tenant] = deque((entry,))
+                    depths[tenant] = 1
+                else:
+                    fifo.append(entry)
+                    depths[tenant] += 1
+        self._tenant_fifos[level] = fifos
+        self._tenant_depths[level] = depths
 
     def _remove_tenant(self, entry: _Entry) -> None:
         """Keeps each tenant FIFO's front alive, so a pick reads it without a scan."""
         tenant = entry.request.tenant
         level = entry.request.priority
+        assert self.fair is not None
+        self.fair.leave(tenant)
+        fifos = self._tenant_fifos[level]
+        assert fifos is not None
         depths = self._tenant_depths[level]
+        assert depths is not None
         left = depths[tenant] - 1
         if left:
             depths[tenant] = left
-            fifo = self._tenant_fifos[level][tenant]
+            fifo = fifos[tenant]
             while not fifo[0].alive:
                 fifo.popleft()
             if len(fifo) > 2 * left + _COMPACT_SLACK:
-                self._tenant_fifos[level][tenant] = deque(e for e in fifo if e.alive)
+                fifos[tenant] = deque(e for e in fifo if e.alive)
         else:
             del depths[tenant]
-            del self._tenant_fifos[level][tenant]
-        assert self.fair is not None
-        self.fair.leave(tenant)
+            del fifos[tenant]
+            if not depths:  # the level is empty: back to the single-tenant path
+                self._tenant_fifos[level] = self._tenant_depths[level] = None
 
     def _remove(self, entry: _Entry) -> None:
         entry.alive = False
         del self._live[entry.request.id]
-        if self.fair is not None:
-            self._remove_tenant(entry)
         level = entry.request.priority
+        if self.fair is not None:
+            if self._tenant_fifos[level] is None:  # one tenant in the level: no FIFO of its own
+                self.fair.leave(entry.request.tenant)
+            else:
+                self._remove_tenant(entry)
         self._depths[level] -= 1
         self._num_tokens -= entry.request.cost_tokens
         fifo = self._fifos[level]
@@ -610,7 +652,11 @@ class WaitQueue:
         holdback leaves) and every other tenant of its level is refused at the door, which
         no pick order can undo.
         """
-        depths = self._tenant_depths[request.priority]
+        level = request.priority
+        depths = self._tenant_depths[level]
+        if depths is None:  # one tenant holds the level
+            sole = self._sole[level]
+            return sole if sole != request.tenant and self._depths[level] > 1 else None
         if not depths:
             return None
         heaviest = max(depths, key=depths.__getitem__)
@@ -620,7 +666,8 @@ class WaitQueue:
 
     def _evict_newest_of(self, level: int, tenant: str) -> Request:
         """Shed ``tenant``'s newest request at ``level`` (it has one)."""
-        fifo = self._tenant_fifos[level][tenant]
+        fifos = self._tenant_fifos[level]
+        fifo = self._fifos[level] if fifos is None else fifos[tenant]
         while not fifo[-1].alive:
             fifo.pop()
         entry = fifo[-1]
@@ -648,7 +695,7 @@ class WaitQueue:
             return self._select_one(now, levels)
         if (
             self.fair is not None
-            and any(len(depths) > 1 for depths in self._tenant_depths)
+            and any(fifos is not None and len(fifos) > 1 for fifos in self._tenant_fifos)
             and not (n >= len(self._live) and max_tokens is None and levels is None)
         ):
             return self._select_fair(n, now, max_tokens, levels)
@@ -715,7 +762,7 @@ class WaitQueue:
             return []
         if self.fair is not None and not best_aged:
             fifos = self._tenant_fifos[best.request.priority]
-            if len(fifos) > 1:
+            if fifos is not None and len(fifos) > 1:
                 return [self._least_served_head(fifos, frozenset(), {})]
         return [best]
 
@@ -785,10 +832,9 @@ class WaitQueue:
                     best, best_key = head, key
             if best is None:
                 break
-            if not best_aged:
-                best = self._least_served_head(
-                    self._tenant_fifos[best.request.priority], taken, extra
-                )
+            fifos = self._tenant_fifos[best.request.priority]
+            if not best_aged and fifos is not None and len(fifos) > 1:
+                best = self._least_served_head(fifos, taken, extra)
             cost = best.request.cost_tokens
             if max_tokens is not None and chosen and tokens + cost > max_tokens:
                 break
