@@ -14,10 +14,20 @@
    sequences, at 1x and 1.5x its rate. Target: well under a second per policy.
 3. ``--cprofile``: the saturated scenario under cProfile: the top functions and the split
    of the time between ``tidegate/core`` and ``tidegate/sim``.
+4. Fleet level (``sim.fluid``, ``examples/fleet-servegen.yaml``): (a) the 14 days of the
+   ServeGen aggregate for its 5 models at once on 10,000 GPUs (1,250 nodes of 8), tidegate
+   autoscaling each: wall time (target <= 600 s), GPU-hours, SLO attainment per level, peak
+   GPUs, placement refusals; (b) one-hour slices of single models (m-large 18:00-19:00, its
+   evening ramp; deepseek-r1 21:00-22:00, before its 22h peak) through the fleet mode and
+   the request-level simulator with the same config, service model, lengths, priorities,
+   controller, lifecycle and starting replicas (enough for the slice's first window at the
+   autoscaler's target): GPU-hours and attainment per level of each, and their relative
+   differences (target: every one within 5%). The request-level run is timed too.
 
-Run (about a minute on 2 cores):
+Run (about a minute on 2 cores for 1-3, 10-15 minutes for 4):
     .venv/bin/python benchmarks/bench_sim.py [--requests 200000] [--repeat 3] [--cprofile]
         [--traces ../shared/traces] [--json out.json] [--quick] [--verdict v.json]
+        [--skip-fleet | --fleet-only] [--fleet examples/fleet-servegen.yaml]
 Prints markdown tables and PASS/MISS lines; always exits 0.
 """
 
@@ -25,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import datetime as dt
 import json
+import math
 import platform
 import pstats
 import random
@@ -41,11 +53,19 @@ from typing import Any
 from summary import write_verdicts
 from tidegate.config import load_config
 from tidegate.sim import SimulateOptions, simulate
+from tidegate.sim.fleetfile import DAY_S, fleet_markdown, load_fleet
+from tidegate.sim.fluid import EngineCurve, FleetScenario, FleetSimulation
+from tidegate.sim.report import run_summary
 from tidegate.sim.run import Scenario, Simulation
 from tidegate.sim.service import default_service
-from tidegate.sim.workload import Arrival, Listed
+from tidegate.sim.synthetic import RateWorkload, Segment
+from tidegate.sim.workload import NO_SCALE, Arrival, Listed, Prioritized
 
 ROOT = Path(__file__).resolve().parent.parent
+FLEET_FILE = ROOT / "examples" / "fleet-servegen.yaml"
+FLEET_TARGET_S = 600.0
+FLEET_AGREEMENT = 0.05
+SLICES = (("m-large", 18 * 3600.0), ("deepseek-r1", 21 * 3600.0))
 DEFAULT_TRACES = ROOT.parent / "shared" / "traces"
 TARGET_PER_S = 200_000.0
 MIX = (("high", 0.2), ("medium", 0.3), ("low", 0.5))
@@ -198,6 +218,174 @@ def profile_saturated(requests: int) -> str:
     return "\n".join(lines)
 
 
+def fleet_replay(path: Path, days: float) -> dict[str, Any]:
+    """The fleet file's whole span (or ``days`` of it) in the fleet-level mode, timed."""
+    scenario = load_fleet(path)
+    scenario = dataclasses.replace(scenario, end_s=days * DAY_S)
+    started = time.perf_counter()
+    cpu_started = time.process_time()
+    result = FleetSimulation(scenario).run()
+    wall_s = time.perf_counter() - started
+    report: dict[str, Any] = result.report()
+    report["wall_s"] = wall_s
+    report["cpu_s"] = time.process_time() - cpu_started
+    report["days"] = days
+    print(f"  fleet {days:g} days: {wall_s:.0f} s wall", flush=True)
+    return report
+
+
+def _window(rates: list[Segment], start: float, end: float) -> list[Segment]:
+    cut = []
+    for s in rates:
+        low, high = max(s.start_s, start), min(s.end_s, end)
+        if high > low:
+            cut.append(Segment(low - start, high - start, s.arrivals_per_s))
+    return cut
+
+
+def fleet_slice(path: Path, model: str, start_s: float) -> dict[str, Any]:
+    """One hour of one model through both simulators with the same inputs."""
+    base = load_fleet(path)
+    group = next(g for g in base.groups if g.model == model)
+    spec = base.config.model(model)
+    autoscaling = spec.autoscaling
+    assert autoscaling is not None
+    rates = _window(list(group.rates), start_s, start_s + 3600.0)
+    slots = spec.slots if spec.slots is not None else spec.batching.max_num_seqs
+    engine = EngineCurve(group.service, group.lengths, slots, base.seed)
+    target = min(slots, round(autoscaling.target_per_replica))
+    replicas = max(1, math.ceil(rates[0].arrivals_per_s / engine.mu[target]))
+    start_wall_s = base.start_wall_s + start_s
+    fluid = FleetScenario(
+        base.config,
+        [dataclasses.replace(group, rates=rates, replicas=replicas)],
+        inventory=base.inventory,
+        controller=base.controller,
+        lifecycle=base.lifecycle,
+        mix=base.mix,
+        slo_ttft_s=base.slo_ttft_s,
+        step_s=base.step_s,
+        start_wall_s=start_wall_s,
+        end_s=3600.0,
+        seed=base.seed,
+    )
+    started = time.perf_counter()
+    fluid_result = FleetSimulation(fluid).run()
+    fluid_s = time.perf_counter() - started
+    workload = Prioritized(
+        RateWorkload(model, [(model, rates)], group.lengths, NO_SCALE, base.seed),
+        base.config.default_priority,
+        base.mix,
+        (),
+        base.seed,
+    )
+    request = Scenario(
+        base.config,
+        model,
+        group.service,
+        workload,
+        {spec.pools[-1]: replicas},
+        controller=base.controller,
+        lifecycle=base.lifecycle,
+        slo_ttft_s=base.slo_ttft_s,
+        start_wall_s=start_wall_s,
+    )
+    started = time.perf_counter()
+    simulation = Simulation(request)
+    request_result = simulation.run()
+    request_s = time.perf_counter() - started
+    # the same window as the fleet mode's: the request-level run goes on until its last
+    # request ends (long outputs: minutes), with the replicas still held
+    held_s = sum(
+        max(0.0, min(3600.0, r.stopped_at if r.stopped_at is not None else math.inf) - r.started_at)
+        for r in (*simulation.fleet.live.values(), *simulation.fleet.stopped)
+    )
+    summary = run_summary(request_result)
+    gpus = group.gpus or group.service.gpus_per_replica
+    fluid_levels = fluid_result.attainment()
+    request_levels = {name: klass["slo_attainment"] for name, klass in summary["classes"].items()}
+    row = {
+        "model": model,
+        "start_h": start_s / 3600.0,
+        "rates_per_s": [s.arrivals_per_s for s in rates],
+        "replicas_at_start": replicas,
+        "fluid_gpu_hours": fluid_result.gpu_hours,
+        "request_gpu_hours": held_s * gpus / 3600.0,
+        "request_gpu_hours_to_last_request": request_result.replica_seconds * gpus / 3600.0,
+        "fluid_attainment": fluid_levels,
+        "request_attainment": request_levels,
+        "requests": request_result.num_requests,
+        "request_end_s": request_result.end_at,
+        "fluid_wall_s": fluid_s,
+        "request_wall_s": request_s,
+        "fluid_peak_replicas": fluid_result.report()["groups"][model]["peak_replicas"],
+        "request_peak_ready": max(s[3] for s in request_result.recorder.samples),
+    }
+    print(
+        f"  slice {model} {start_s / 3600:g}h: fluid {row['fluid_gpu_hours']:.1f} GPU-h "
+        f"({fluid_s:.1f} s), request-level {row['request_gpu_hours']:.1f} GPU-h "
+        f"({request_s:.0f} s, {row['requests']:,} requests)",
+        flush=True,
+    )
+    return row
+
+
+def _relative(fluid: float | None, request: float | None) -> float | None:
+    if fluid is None or request is None or request == 0:
+        return None
+    return (fluid - request) / request
+
+
+def fleet_lines(replay: dict[str, Any], slices: list[dict[str, Any]]) -> list[str]:
+    """The fleet part's tables (printed) and PASS/MISS lines (returned)."""
+    print(fleet_markdown(replay))
+    print(
+        f"Wall time {replay['wall_s']:.0f} s ({replay['cpu_s']:.0f} s CPU) for "
+        f"{replay['days']:g} days, {replay['steps']:,} steps of {replay['step_s']:g} s.\n"
+    )
+    print(
+        "| slice | requests | replicas at start | GPU-hours fluid | GPU-hours request-level | "
+        "diff | level | attainment fluid | attainment request-level | diff |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    worst = 0.0
+    for row in slices:
+        gpu_diff = _relative(row["fluid_gpu_hours"], row["request_gpu_hours"])
+        worst = max(worst, abs(gpu_diff or 0.0))
+        for index, level in enumerate(row["request_attainment"]):
+            fluid = row["fluid_attainment"].get(level)
+            request = row["request_attainment"][level]
+            diff = _relative(fluid, request)
+            worst = max(worst, abs(diff or 0.0))
+            head = (
+                f"| {row['model']} {row['start_h']:g}:00 | {row['requests']:,} | "
+                f"{row['replicas_at_start']} | {row['fluid_gpu_hours']:.1f} | "
+                f"{row['request_gpu_hours']:.1f} | {_pct(gpu_diff)} "
+                if index == 0
+                else "| | | | | | "
+            )
+            print(
+                f"{head}| {level} | {_pct(fluid, signed=False)} | "
+                f"{_pct(request, signed=False)} | {_pct(diff)} |"
+            )
+    print()
+    minutes = replay["wall_s"]
+    return [
+        f"{'PASS' if minutes <= FLEET_TARGET_S else 'MISS'} fleet level: {replay['days']:g} days "
+        f"of {len(replay['groups'])} models on {replay['inventory']['gpus']:,} GPUs in "
+        f"{minutes:.0f} s (target <= {FLEET_TARGET_S:.0f} s)",
+        f"{'PASS' if worst <= FLEET_AGREEMENT else 'MISS'} fleet level vs request level on "
+        f"{len(slices)} one-hour slices: GPU-hours and attainment per level within "
+        f"{worst * 100:.1f}% (target <= {FLEET_AGREEMENT * 100:.0f}%)",
+    ]
+
+
+def _pct(value: float | None, signed: bool = True) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value * 100:+.2f}%" if signed else f"{value * 100:.2f}%"
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -216,13 +404,45 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--verdict", type=Path, help="write the PASS/MISS rows as JSON here")
     parser.add_argument(
-        "--quick", action="store_true", help="a smoke run: 20,000 requests, no repeat"
+        "--quick",
+        action="store_true",
+        help="a smoke run: 20,000 requests, no repeat; fleet: 1 day, the deepseek-r1 slice",
     )
+    parser.add_argument("--fleet", type=Path, default=FLEET_FILE, help="the fleet file of part 4")
+    parser.add_argument("--fleet-days", type=float, help="part 4a: replay these days only")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--skip-fleet", action="store_true", help="parts 1-3 only")
+    group.add_argument("--fleet-only", action="store_true", help="part 4 only")
     args = parser.parse_args()
     if args.quick:
         args.requests, args.repeat = 20_000, 1
     started = time.perf_counter()
     print(f"# bench_sim {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {machine()}", flush=True)
+    lines: list[str] = []
+    out: dict[str, Any] = {"machine": machine()}
+    if not args.fleet_only:
+        lines += request_level(args, out)
+    if not args.skip_fleet:
+        days = args.fleet_days or (1.0 if args.quick else 14.0)
+        replay = fleet_replay(args.fleet, days)
+        slices = [
+            fleet_slice(args.fleet, model, start_s)
+            for model, start_s in (SLICES[1:] if args.quick else SLICES)
+        ]
+        lines += fleet_lines(replay, slices)
+        replay.pop("gpus_in_use")
+        for group in replay["groups"].values():
+            group.pop("replicas_over_time")
+        out["fleet"] = {"replay": replay, "slices": slices}
+    print("\n".join(lines))
+    write_verdicts(args.verdict, "bench_sim", lines)
+    print(f"total {time.perf_counter() - started:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+def request_level(args: argparse.Namespace, out: dict[str, Any]) -> list[str]:
+    """Parts 1-3: their tables (printed) and PASS/MISS lines (returned)."""
     path_rows = queue_path(args.requests, args.repeat)
     generation = workload_generation(args.requests)
     azure_rows, read_s = azure(args.traces)
@@ -247,27 +467,15 @@ def main() -> None:
     best = max(row.per_s for row in path_rows)
     worst = min(row.per_s for row in path_rows)
     slowest = max(a.cpu_s for a in azure_rows)
-    lines = [
+    out["path"] = [asdict(r) for r in path_rows]
+    out["azure"] = [asdict(a) for a in azure_rows]
+    out["workload_generation_per_s"] = generation
+    return [
         f"{'PASS' if worst >= TARGET_PER_S else 'MISS'} queue + batching path: "
         f"{worst:,.0f} to {best:,.0f} requests/s (target >= {TARGET_PER_S:,.0f})",
         f"{'PASS' if slowest < 1.0 else 'MISS'} Azure conversation trace: at most {slowest:.2f} "
         "s CPU per policy (target: well under 1 s)",
     ]
-    print("\n".join(lines))
-    write_verdicts(args.verdict, "bench_sim", lines)
-    print(f"total {time.perf_counter() - started:.0f} s")
-    if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "machine": machine(),
-                    "path": [asdict(r) for r in path_rows],
-                    "azure": [asdict(a) for a in azure_rows],
-                    "workload_generation_per_s": generation,
-                },
-                indent=2,
-            )
-        )
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ from tidegate.sim.synthetic import Lengths, LognormalLengths, Segment
 DEFAULT_STEP_S = 5.0
 DEFAULT_SAMPLE_S = 600.0  # replicas over time: one point per trace window
 ENGINE_SAMPLES = 2000  # engine-part TTFT draws per group (sorted, per running-set size)
+MEAN_SAMPLES = 100_000  # draws for the mean output and prefill
 STARTING, READY, DRAINING = "starting", "ready", "draining"
 
 
@@ -158,14 +159,24 @@ class EngineCurve:
             )
         step = service.step
         rng = random.Random(f"{seed}:fluid-lengths")
-        draws = [lengths.draw(rng) for _ in range(ENGINE_SAMPLES)]
+        # the means from many draws (a heavy tail: 2,000 would leave a few % of noise),
+        # the TTFT and drain tables from the first ENGINE_SAMPLES of them
+        draws = [lengths.draw(rng) for _ in range(MEAN_SAMPLES)]
+        self.slots = slots
+        self.mean_output = sum(max(1, o) for _, o in draws) / len(draws)
+        cost: dict[int, float] = {}
+        total_prefill = 0.0
+        for p, _ in draws:
+            seconds = cost.get(p)
+            if seconds is None:
+                seconds = cost[p] = step.step_s(0, 1, p)
+            total_prefill += seconds
+        self.mean_prefill_s = total_prefill / len(draws)
+        draws = draws[:ENGINE_SAMPLES]
         prompts = [p for p, _ in draws]
         outputs = sorted(max(1, o) for _, o in draws)
-        self.slots = slots
-        self.mean_output = sum(outputs) / len(outputs)
         mean_prompt = sum(prompts) / len(prompts)
-        prefill = [step.step_s(0, 1, p) for p in prompts]
-        self.mean_prefill_s = sum(prefill) / len(prefill)
+        prefill = [cost[p] for p in prompts]
         self.decode_s = [step.step_s(b, 0, 0) for b in range(slots + 1)]
         self.outputs = outputs
         # mu(b): completions/s of one replica with b running (cumulative max: monotone)
@@ -175,6 +186,8 @@ class EngineCurve:
             mu.append(max(rate, mu[-1]))
         self.mu = mu
         self.capacity_per_s = mu[slots]
+        # time in the engine at b running (Little: b / mu(b)); below one, that of one
+        self._sojourn = [1.0 / mu[1]] + [b / mu[b] for b in range(1, slots + 1)]
         # engine part of the TTFT, sorted, for each running-set size: an arrival waits for
         # the running step to end (a prefill step with probability its share of the engine
         # time, picked by length; else a decode step), then its own step prefills it with
@@ -207,6 +220,16 @@ class EngineCurve:
         samples.sort()
         self._ttft[running] = samples
         return samples
+
+    def sojourn_s(self, running: float) -> float:
+        """Mean seconds a sequence spends in the engine at ``running`` per replica."""
+        if running <= 1.0:
+            return self._sojourn[1]
+        if running >= self.slots:
+            return self._sojourn[-1]
+        low = int(running)
+        part = running - low
+        return self._sojourn[low] * (1.0 - part) + self._sojourn[low + 1] * part
 
     def running(self, per_replica_per_s: float) -> float:
         """B with mu(B) = the rate (linear between integers); the slots when above mu(S)."""
@@ -304,6 +327,7 @@ class FluidGroup:
         self.ready = 0
         self.counted = 0  # starting + ready
         self._pending: list[tuple[float, int, str]] = []  # (ready at, seq, replica id)
+        self._stopping: list[tuple[float, int, str]] = []  # draining: (stop at, seq, id)
         self._ids = 0
         self._seq = 0
         self.replica_seconds = 0.0  # of stopped replicas; live ones added by ``held_s``
@@ -393,6 +417,8 @@ class FluidGroup:
                 continue
             seconds, fails = self.engine.drain(share, self.lifecycle.drain_timeout_s)
             replica.stop_at = now + seconds
+            self._seq += 1
+            heapq.heappush(self._stopping, (replica.stop_at, self._seq, replica.id))
             total = self.running
             for level, amount in enumerate(self.run_by_level):
                 part = share * amount / total if total > 0 else 0.0
@@ -442,10 +468,12 @@ class FluidGroup:
             if replica is not None and replica.state == STARTING:
                 replica.state = READY
                 self.ready += 1
-        if self.draining:
-            for replica in [r for r in self.replicas.values() if r.state == DRAINING]:
-                if replica.stop_at <= now + 1e-9:
-                    self._stop(replica, replica.stop_at)
+        stopping = self._stopping
+        while stopping and stopping[0][0] <= now + 1e-9:
+            stop_at, _, replica_id = heapq.heappop(stopping)
+            replica = self.replicas.get(replica_id)
+            if replica is not None and replica.state == DRAINING:
+                self._stop(replica, stop_at)
 
     def finish(self, end: float) -> None:
         """The lifecycle up to the end of the run (drains that ended by then stop)."""
@@ -480,15 +508,27 @@ class FluidGroup:
         if self.draining:
             self._finish_draining(now + dt, dt)
         ready = self.ready
-        capacity = ready * self.engine.capacity_per_s * dt
-        if ready and rate * dt <= capacity and not any(self.queued):
-            self._keep_up(rate, arrivals, ready)  # the common case: every arrival has a slot
+        engine = self.engine
+        if ready:
+            # The running set relaxes towards (dispatch rate x time in the engine) with that
+            # time as its constant: exact over the step for a constant dispatch rate and
+            # time in the engine (taken at the step's start), stable for any step.
+            sojourn_s = engine.sojourn_s(self.running / ready)
+            decay = math.exp(-dt / sojourn_s)
+            room = ready * engine.slots - self.running * decay
+            most_per_s = max(0.0, room / (sojourn_s * (1.0 - decay)))
+        else:
+            sojourn_s, decay, most_per_s = 1.0, 0.0, 0.0
+            self.running, self.run_by_level = 0.0, [0.0] * n
+        capacity = most_per_s * dt
+        queued = self.queued
+        if ready and rate <= most_per_s and not any(queued):
+            self._keep_up(arrivals, ready, dt, sojourn_s, decay)  # every arrival has a slot
             return
         if ready == 0 and (self.autoscaler is None or not self.autoscaler.scales_from_zero):
             for level in range(n):  # no replica ready: 503, as the gateway answers
                 tally[level].unavailable += arrivals[level]
             arrivals = [0.0] * n
-        queued = self.queued
         before = list(queued)
         queued_before = sum(before)
         from_queue = [0.0] * n
@@ -514,19 +554,10 @@ class FluidGroup:
                         left -= take
         waiting = self._admit(arrivals)  # what no slot took, within the queue's limits
         served = [a + b for a, b in zip(from_queue, from_arrivals, strict=True)]
-        dispatched = sum(served)
         queued_after = sum(queued)
-        if not ready:
-            b = 0.0
-        elif queued_after > 1e-9:
-            b = float(self.engine.slots)
-        else:
-            b = self.engine.running(dispatched / dt / ready)
-        self.running = ready * b
-        if dispatched > 0:
-            self.run_by_level = [self.running * s / dispatched for s in served]
-        else:
-            self.run_by_level = [0.0] * n
+        if ready:
+            self._relax(served, dt, sojourn_s, decay)
+        b = self.running / ready if ready else 0.0
         # this step's admitted arrivals see the queue ahead of them
         service_per_s = capacity / dt
         ahead_before = ahead_after = urgent_per_s = 0.0
@@ -548,21 +579,31 @@ class FluidGroup:
                 urgent_per_s += rate * self.shares[level]
         self.max_queued = max(self.max_queued, queued_after)
 
-    def _keep_up(self, rate: float, arrivals: list[float], ready: int) -> None:
+    def _relax(self, served: list[float], dt: float, sojourn_s: float, decay: float) -> None:
+        """Each level's running amount after a step that dispatched ``served`` of it."""
+        running = 0.0
+        by_level = self.run_by_level
+        for level, amount in enumerate(served):
+            steady = amount / dt * sojourn_s
+            by_level[level] = value = max(0.0, steady + (by_level[level] - steady) * decay)
+            running += value
+        self.running = running
+
+    def _keep_up(
+        self, arrivals: list[float], ready: int, dt: float, sojourn_s: float, decay: float
+    ) -> None:
         """``_flow`` when the ready replicas take every arrival and nothing is queued."""
-        b = self.engine.running(rate / ready)
-        self.running = running = ready * b
-        within = self._within_now.get(round(b))
+        self._relax(arrivals, dt, sojourn_s, decay)
+        b = round(self.running / ready)
+        within = self._within_now.get(b)
         if within is None:
             within = [self.engine.within(b, 0.0, slo) for slo in self.slo]
-            self._within_now[round(b)] = within
-        total = sum(arrivals)
+            self._within_now[b] = within
         for level, amount in enumerate(arrivals):
             t = self.tally[level]
             t.admitted += amount
             t.dispatched += amount
             t.met += amount * within[level]
-            self.run_by_level[level] = running * amount / total if total > 0 else 0.0
 
     def _finish_draining(self, end: float, dt: float) -> None:
         kept = []
