@@ -87,7 +87,7 @@ CHAT = ROOT / "benchmarks" / "profiles" / "chat-short.csv"
 WINDOW_MS = 5.0
 PROMPT_TOKENS = 14  # the load generator's sentences: 12 to 16 tokens
 CHAT_PROMPT_TOKENS = 40  # a sentence in the chat template; the run file gets the real count
-GENERATE_PROBES = 6
+GENERATE_PROBES = 4
 
 
 @dataclass(frozen=True)
