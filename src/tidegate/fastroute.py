@@ -42,6 +42,14 @@ class Reply:
     headers: list[tuple[bytes, bytes]]  # lower-case names; no content-length or framing
     body: bytes = b""
     chunks: AsyncIterator[bytes] | None = None
+    # Bookkeeping for once the answer is written, or cannot be (the client went away): the
+    # writer calls ``settle()`` exactly once, so that the client does not wait for it.
+    after: Callable[[], None] | None = None
+
+    def settle(self) -> None:
+        after, self.after = self.after, None
+        if after is not None:
+            after()
 
 
 def json_reply(status: int, payload: Any, headers: Mapping[str, str] | None = None) -> Reply:
@@ -128,10 +136,13 @@ class FastCycle:
             if body is None:
                 return
             reply = await self._routes.handler(self._path, self._headers, body, self.receive)
-            if reply.chunks is None:
-                self._write_whole(reply)
-            else:
-                await self._write_stream(reply)
+            try:
+                if reply.chunks is None:
+                    self._write_whole(reply)
+                else:
+                    await self._write_stream(reply)
+            finally:
+                reply.settle()
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError | ClientGone):
                 log.error("fast route %s failed", self._path, exc_info=exc)

@@ -102,13 +102,17 @@ async def serve_proxy(gateway: Gateway, scope: Scope, receive: Receive, send: Se
     registered with FastAPI for the OpenAPI document."""
     request = Request(scope, receive)
     reply = await proxy_call(gateway, scope["path"], request.headers, await request.body(), receive)
-    await asgi_response(reply)(scope, receive, send)
+    try:
+        await asgi_response(reply)(scope, receive, send)
+    finally:
+        reply.settle()
 
 
 async def proxy_request(gateway: Gateway, request: Request) -> Response:
     """The proxy loop for a Starlette request (FastAPI's route, for the document)."""
     body = await request.body()
     reply = await proxy_call(gateway, request.url.path, request.headers, body, request.receive)
+    reply.settle()
     return asgi_response(reply)
 
 
@@ -151,8 +155,16 @@ async def proxy_call(
         )
     finally:
         await call.watch.close()  # the answer's own sending watches the client from here
-    if call.outcome != "streaming":  # a stream counts its outcome when it ends
+    if call.outcome == "streaming":  # a stream counts its outcome when it ends
+        return reply
+    settle = reply.after
+
+    def account() -> None:
+        if settle is not None:
+            settle()
         _count(gateway, call)
+
+    reply.after = account  # the caller runs it once the answer is written (or cannot be)
     return reply
 
 
@@ -274,10 +286,7 @@ async def _admit_and_forward(
             log.info("%s: handed back by draining replica %s", call.rid, replica.id)
             ticket = dispatcher.retry(ticket, replica)
             continue
-        dispatcher.record_answer(replica, ok=forwarded.status < 500)  # outlier detection
-        if forwarded.status < 400:
-            dispatcher.settle(ticket.request, forwarded.body)  # fair sharing: usage served
-        return _respond(gateway, dispatcher, replica, forwarded, call)
+        return _respond(gateway, dispatcher, ticket, replica, forwarded, call)
 
 
 def _handed_back(forwarded: Forwarded) -> bool:
@@ -344,6 +353,7 @@ async def _send(
 def _respond(
     gateway: Gateway,
     dispatcher: ModelDispatcher,
+    ticket: Ticket,
     replica: Replica,
     forwarded: Forwarded,
     call: _Call,
@@ -351,16 +361,20 @@ def _respond(
     headers = [(n, v) for n, v in forwarded.headers if n not in OWN_HEADERS]
     headers += call.raw_headers()
     e2e = gateway.metrics.request_duration.labels(call.model, call.priority, "e2e").observe
+    status = forwarded.status
     if forwarded.chunks is None:
-        dispatcher.release(replica, completed=forwarded.status < 500)
-        call.outcome = (
-            "completed"
-            if forwarded.status < 400
-            else ("invalid" if forwarded.status < 500 else "failed")
-        )
-        e2e(time.monotonic() - call.started)
-        return Reply(forwarded.status, headers, forwarded.body or b"")
+        call.outcome = "completed" if status < 400 else ("invalid" if status < 500 else "failed")
 
+        def account() -> None:  # once the answer is on its way: off the client's wait
+            dispatcher.record_answer(replica, ok=status < 500)  # outlier detection
+            if status < 400:
+                dispatcher.settle(ticket.request, forwarded.body)  # fair sharing: usage served
+            dispatcher.release(replica, completed=status < 500)
+            e2e(time.monotonic() - call.started)
+
+        return Reply(status, headers, forwarded.body or b"", after=account)
+
+    dispatcher.record_answer(replica, ok=status < 500)  # outlier detection
     chunks = forwarded.chunks
 
     async def passthrough() -> AsyncIterator[bytes]:
