@@ -15,12 +15,24 @@ and the simulator drive them identically and tests drive them with made-up times
   the throughput of large batches); in between it holds (the dead band keeps it from
   flapping). It stays within ``[min_batch_size, max_batch_size]``: the upper bound is the
   configured maximum, which the profile's knee sets (``tidegate profile`` recommends it).
+- ``BatchPlanner`` holds one replica's rule, rate and cap, and counts why batches left.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from tidegate.core.batching import (
+    RELEASE_REASONS,
+    BatchConfig,
+    BatchView,
+    Release,
+)
+from tidegate.core.queue import WaitQueue
+from tidegate.core.request import Request
 
 
 class ArrivalRate:
@@ -112,3 +124,109 @@ class AdaptiveCap:
             self.last_p99_s = p99(self._samples)
             self._samples.clear()
             self.cap, self.last_decision = decide_batch_cap(self.cap, self.last_p99_s, self.config)
+
+
+class BatchPlanner:
+    """One replica's batching state: the rule, the rate, the cap and why batches left.
+
+    The cap is ``cap`` when given, else built from ``config.target_p99_ms`` (bounded by
+    ``config.min_batch_size`` and ``config.max_batch_size``), else there is none.
+
+    The worker and the simulator each hold one per replica and call it the same way:
+    ``arrived`` for each queued input; when the engine is idle, ``plan_batch(view(...),
+    config, now)``, then for a release ``released`` and ``take`` (which removes it from the
+    queue); ``finished`` when the engine answered it.
+    """
+
+    __slots__ = ("cap", "config", "last_reason", "rate", "releases")
+
+    def __init__(
+        self, config: BatchConfig, cap: CapConfig | None = None, rate_tau_s: float = 1.0
+    ) -> None:
+        self.config = config
+        self.rate = ArrivalRate(rate_tau_s) if config.load_aware else None
+        if cap is None and config.target_p99_ms is not None:
+            cap = CapConfig(
+                target_p99_s=config.target_p99_ms / 1e3,
+                max_batch_size=config.max_batch_size,
+                min_batch_size=config.min_batch_size,
+            )
+        if cap is not None and cap.max_batch_size > config.max_batch_size:
+            raise ValueError(
+                f"the cap's bound {cap.max_batch_size} is over max_batch_size "
+                f"{config.max_batch_size}"
+            )
+        self.cap = AdaptiveCap(cap) if cap is not None else None
+        self.releases: dict[str, int] = dict.fromkeys(RELEASE_REASONS, 0)
+        self.last_reason: str | None = None
+
+    @property
+    def peek_size(self) -> int:
+        return self.config.peek_size()
+
+    @property
+    def max_batch_size(self) -> int:
+        """The count bound now: the adaptive cap, or the configured maximum."""
+        return self.cap.cap if self.cap is not None else self.config.max_batch_size
+
+    def arrived(self, now: float, count: int = 1) -> None:
+        if self.rate is not None:
+            self.rate.observe(now, count)
+
+    def view(self, head: Sequence[Request], num_queued: int, now: float) -> BatchView:
+        """What ``plan_batch`` sees now: the head, with the rate and the cap."""
+        rate = self.rate.rate_per_s(now) if self.rate is not None else None
+        cap = self.cap.cap if self.cap is not None else None
+        return BatchView(head, num_queued, rate, cap)
+
+    def released(self, release: Release) -> None:
+        """Count why a batch left (for /stats and explain)."""
+        self.releases[release.reason] += 1
+        self.last_reason = release.reason
+
+    def take(self, queue: WaitQueue, release: Release, now: float) -> tuple[Request, ...]:
+        """Remove exactly the released requests from ``queue`` (peeked at ``now``).
+
+        A prefix is popped. A length-aware batch that skips some of the head is taken by
+        id, through ``cancel``: the queue has no pop by id yet, so its outcome tally counts
+        those as cancelled rather than dispatched (nothing reads a worker queue's tally).
+        """
+        if release.is_prefix:
+            return queue.pop(len(release.batch), now, self.config.max_batch_tokens)
+        for request in release.batch:
+            queue.cancel(request.id)
+        return release.batch
+
+    def finished(self, batch: Sequence[Request], now: float) -> None:
+        """The engine answered ``batch`` at ``now``: the most urgent level's latencies."""
+        if self.cap is None:
+            return
+        for request in batch:
+            if request.priority == 0:
+                self.cap.observe(now - request.arrival_at)
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """What /stats and explain show: the current cap, windows, rate and reasons."""
+        config = self.config
+        rate = self.rate.rate_per_s(now) if self.rate is not None else None
+        levels = max(len(config.level_windows_ms), 1)
+        described: dict[str, Any] = {
+            "max_batch_size": self.max_batch_size,
+            "configured_max_batch_size": config.max_batch_size,
+            "window_ms_by_level": [config.window_ms(level) for level in range(levels)],
+            "load_aware": config.load_aware,
+            "arrival_rate_per_s": None if rate is None else round(rate, 3),
+            "length_candidates": config.length_candidates if config.length_aware else 0,
+            "last_release_reason": self.last_reason,
+            "releases_by_reason": {k: v for k, v in self.releases.items() if v},
+        }
+        if self.cap is not None:
+            described["adaptive_cap"] = {
+                "target_p99_ms": round(self.cap.config.target_p99_s * 1e3, 3),
+                "last_p99_ms": None
+                if self.cap.last_p99_s is None
+                else round(self.cap.last_p99_s * 1e3, 3),
+                "last_decision": self.cap.last_decision,
+                "bounds": [self.cap.config.min_batch_size, self.cap.config.max_batch_size],
+            }
+        return described

@@ -26,9 +26,9 @@ Three adaptive levers refine it, each off unless configured:
   requests left out for their length are waiting, the batch goes at once: the engine does
   not idle while work waits.
 
-The adaptive cap (``BatchView.max_batch_size``, from ``core.batch_adapt.AdaptiveCap``)
-lowers the count bound below ``max_batch_size`` when the most urgent level misses its
-latency target.
+The adaptive cap (``BatchView.max_batch_size``, from ``core.batch_adapt.AdaptiveCap``, on
+when ``target_p99_ms`` is set) lowers the count bound below ``max_batch_size`` when the
+most urgent level misses its latency target, and raises it back when it has slack.
 
 The view is the head of a WaitQueue in pick order; the caller removes exactly the released
 requests. Without length-aware formation they are a prefix of the head, so ``WaitQueue.pop``
@@ -65,6 +65,10 @@ class BatchConfig:
     load_aware: bool = False  # release when under one companion is expected (needs a rate)
     length_candidates: int = 0  # <= 1: batches are the head of the pick order, as before
     max_padding_ratio: float = 1.25  # length-aware: padded tokens / real tokens, at most
+    # AIMD cap (core.batch_adapt.AdaptiveCap): the most urgent level's P99 target, in ms;
+    # None: the count bound stays max_batch_size. The cap never goes below min_batch_size.
+    target_p99_ms: float | None = None
+    min_batch_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -83,6 +87,13 @@ class BatchConfig:
             raise ValueError(f"length_candidates must be >= 0, got {self.length_candidates}")
         if self.max_padding_ratio < 1:
             raise ValueError(f"max_padding_ratio must be >= 1, got {self.max_padding_ratio}")
+        if self.target_p99_ms is not None and self.target_p99_ms <= 0:
+            raise ValueError(f"target_p99_ms must be > 0, got {self.target_p99_ms}")
+        if not 1 <= self.min_batch_size <= self.max_batch_size:
+            raise ValueError(
+                f"min_batch_size must be in [1, max_batch_size={self.max_batch_size}], "
+                f"got {self.min_batch_size}"
+            )
 
     @property
     def length_aware(self) -> bool:

@@ -1,9 +1,10 @@
 """A replica's worker in virtual time: ``tidegate.worker.scheduling``'s loops, by the core.
 
 - ``BatchWorker`` mirrors ``EmbeddingBatcher`` (dynamic batching): requests wait in the
-  worker's own ``WaitQueue`` (levels high/medium/low, as the worker's); when the engine is
-  idle it asks ``plan_batch`` over ``peek(max_batch_size + 1)``, pops the released batch
-  (``pop(n, now, max_batch_tokens)``) and runs it for ``batch_s(n, tokens)``; a
+  worker's own ``WaitQueue`` (levels high/medium/low, as the worker's); each arrival is
+  told to its core ``BatchPlanner``; when the engine is idle it asks the planner over
+  ``peek(planner.peek_size)``, takes the released batch (``planner.take``) and runs it for
+  ``batch_s(n, tokens)``, then tells the planner the batch finished (the AIMD cap); a
   ``WaitUntil`` becomes a timer. After a batch the loop plans again at once, before the
   gateway hears of the completions (they travel back over HTTP in the real stack).
 - ``SequenceWorker`` mirrors ``SequenceScheduler`` (continuous batching): a sequence waits
@@ -24,7 +25,8 @@ from __future__ import annotations
 import heapq
 from typing import Protocol
 
-from tidegate.core.batching import BatchConfig, BatchView, Release, plan_batch
+from tidegate.core.batch_adapt import BatchPlanner, CapConfig
+from tidegate.core.batching import BatchConfig, Release, plan_batch
 from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
 from tidegate.core.request import Request
 from tidegate.sim.gateway import Ticket
@@ -108,24 +110,32 @@ class BatchWorker(_LocalQueue):
         queue: QueueConfig,
         sink: Sink,
         recorder: Recorder,
+        cap: CapConfig | None = None,
     ) -> None:
         super().__init__(kernel, replica_id, model, queue, sink, recorder)
         self.service = service
         self.batch = batch
+        self.planner = BatchPlanner(batch, cap)
         self.running: tuple[Request, ...] = ()
-        self._peek = batch.max_batch_size + 1
+        self._peek = self.planner.peek_size
         self._timer_at: float | None = None
 
     def submit(self, ticket: Ticket) -> None:
         now = self.kernel.time
-        if self._admit(ticket, ticket.prompt_tokens, now) and not self.running:
-            self._plan(now)
+        if self._admit(ticket, ticket.prompt_tokens, now):
+            self.planner.arrived(now)
+            if not self.running:
+                self._plan(now)
 
     def _plan(self, now: float) -> None:
         queue = self.queue
-        plan = plan_batch(BatchView(queue.peek(self._peek, now), len(queue)), self.batch, now)
+        planner = self.planner
+        plan = plan_batch(
+            planner.view(queue.peek(self._peek, now), len(queue), now), self.batch, now
+        )
         if isinstance(plan, Release):
-            batch = queue.pop(len(plan.batch), now, self.batch.max_batch_tokens)
+            planner.released(plan)
+            batch = planner.take(queue, plan, now)
             self.running = batch
             self.recorder.batch_sizes[len(batch)] += 1
             tokens = 0
@@ -149,6 +159,7 @@ class BatchWorker(_LocalQueue):
         if version != self._version:
             return
         tickets = [self.tickets.pop(request.id) for request in self.running]
+        self.planner.finished(self.running, self.kernel.time)
         self.running = ()
         self._plan(self.kernel.time)
         self.sink.done(self.replica_id, tickets)

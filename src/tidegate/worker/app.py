@@ -586,6 +586,8 @@ def _stats(worker: Worker) -> dict[str, Any]:
             "slots": b.slots,
             "max_batch_size": b.batch.max_batch_size,
             "throughput_per_s": round(b.throughput.per_s(now), 3),
+            # the adaptive cap and windows now, and why batches left (core.batch_adapt)
+            "batching": b.planner.describe(now),
         }
     if worker.sequences is not None:
         q = worker.sequences

@@ -49,6 +49,13 @@ class WorkerSettings:
     max_batch_size: int = 32
     batch_window_ms: float = 5.0
     max_batch_tokens: int | None = None
+    # Adaptive batching (core.batching, core.batch_adapt), embeddings; each off by default.
+    level_windows_ms: tuple[float | None, ...] = ()  # per worker level: high, medium, low
+    load_aware_window: bool = False
+    length_candidates: int = 0  # > 1: form batches of similar lengths among this many
+    max_padding_ratio: float = 1.25
+    target_p99_ms: float | None = None  # AIMD cap on the high level's P99; None: fixed
+    min_batch_size: int = 1  # the AIMD cap's floor
     max_num_seqs: int = 16
     queue_max_size: int = 4096
     profile: str | None = None
@@ -59,6 +66,19 @@ class WorkerSettings:
     # Embeddings: the engine in a process of its own (engines/process.py), off this GIL;
     # None: the engine's default (DEFAULT_ENGINE_PROCESS: off for now).
     engine_process: bool | None = None
+
+    def batch_config(self) -> BatchConfig:
+        return BatchConfig(
+            max_batch_size=self.max_batch_size,
+            max_batch_tokens=self.max_batch_tokens,
+            batch_window_ms=self.batch_window_ms,
+            level_windows_ms=self.level_windows_ms,
+            load_aware=self.load_aware_window,
+            length_candidates=self.length_candidates,
+            max_padding_ratio=self.max_padding_ratio,
+            target_p99_ms=self.target_p99_ms,
+            min_batch_size=min(self.min_batch_size, self.max_batch_size),
+        )
 
 
 @dataclass
@@ -166,8 +186,9 @@ class Worker:
         engine.on_failure(lambda reason: self._engine_died(loop, reason))
         if engine.card.task == "embeddings":
             assert isinstance(engine, EmbeddingEngine)
-            batch = BatchConfig(s.max_batch_size, s.max_batch_tokens, s.batch_window_ms)
-            self.batcher = EmbeddingBatcher(engine, batch, self.queue_config(), self.metrics)
+            self.batcher = EmbeddingBatcher(
+                engine, s.batch_config(), self.queue_config(), self.metrics
+            )
             batcher = asyncio.create_task(self.batcher.run(), name="batcher")
             batcher.add_done_callback(self._batch_loop_ended)
             self._tasks.append(batcher)

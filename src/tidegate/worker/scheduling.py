@@ -1,8 +1,10 @@
 """The worker's two scheduling loops, both over a core WaitQueue.
 
 - ``EmbeddingBatcher`` (dynamic batching, request level): every input of every request is
-  one queue entry; one owner task asks core ``plan_batch`` when to release a batch, pops it
-  in priority order and runs it on the engine, one batch at a time.
+  one queue entry; one owner task asks its core ``BatchPlanner`` (``plan_batch`` with the
+  adaptive levers: per-level and load-aware windows, length-aware formation, the AIMD cap)
+  when to release a batch and which, takes it from the queue and runs it on the engine, one
+  batch at a time; /stats shows the planner's cap, windows and why batches left.
 - ``SequenceScheduler`` (continuous batching, iteration level): a sequence waits in the
   queue until one of ``max_num_seqs`` slots is free and the engine's KV cache has room for
   its prompt + ``max_tokens`` (whole pages, ``ModelCard.max_cached_tokens``), then joins the
@@ -28,7 +30,8 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from tidegate.clock import SYSTEM_CLOCK, Clock
-from tidegate.core.batching import BatchConfig, BatchView, Release, plan_batch
+from tidegate.core.batch_adapt import BatchPlanner, CapConfig
+from tidegate.core.batching import BatchConfig, Release, plan_batch
 from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
 from tidegate.core.request import Request
 from tidegate.engines.base import (
@@ -85,9 +88,11 @@ class EmbeddingBatcher:
         queue: QueueConfig,
         metrics: WorkerMetrics,
         clock: Clock = SYSTEM_CLOCK,
+        cap: CapConfig | None = None,
     ) -> None:
         self.engine = engine
         self.batch = batch
+        self.planner = BatchPlanner(batch, cap)
         self.queue = WaitQueue(queue)
         self.metrics = metrics
         self.clock = clock
@@ -126,6 +131,7 @@ class EmbeddingBatcher:
                 ids.append(rid)
                 self._texts[rid] = text
                 self._results[rid] = loop.create_future()
+            self.planner.arrived(now, len(ids))
             self._wake.set()
             return list(await asyncio.gather(*(self._results[rid] for rid in ids)))
         finally:
@@ -152,13 +158,14 @@ class EmbeddingBatcher:
 
     async def run(self) -> None:
         """The owner loop: plan, pop, run; sleep until the next arrival or window end."""
+        planner = self.planner
         while True:
             now = self.clock.now()
-            view = BatchView(self.queue.peek(self.batch.max_batch_size + 1, now), len(self.queue))
-            plan = plan_batch(view, self.batch, now)
+            head = self.queue.peek(planner.peek_size, now)
+            plan = plan_batch(planner.view(head, len(self.queue), now), planner.config, now)
             if isinstance(plan, Release):
-                batch = self.queue.pop(len(plan.batch), now, self.batch.max_batch_tokens)
-                await self._run_batch(batch)
+                planner.released(plan)
+                await self._run_batch(planner.take(self.queue, plan, now))
                 continue
             self._wake.clear()
             timeout = None if plan.at is None else max(0.0, plan.at - now)
@@ -181,6 +188,7 @@ class EmbeddingBatcher:
         finally:
             self.num_running = 0
         done = self.clock.now()
+        self.planner.finished(batch, done)
         self.metrics.batch_size.labels(self.engine.card.name).observe(len(batch))
         self.metrics.batch_duration.labels(self.engine.card.name).observe(done - started)
         self.throughput.record(done, len(batch))
