@@ -59,6 +59,20 @@ class TaskKind(StrEnum):
     generate = "generate"
 
 
+def _level_windows(text: str) -> tuple[float | None, ...]:
+    """``--level-windows-ms``: "0,,5" -> (0.0, None, 5.0); a bad number exits with status 2."""
+    if not text:
+        return ()
+    try:
+        return tuple(float(w) if w.strip() else None for w in text.split(","))
+    except ValueError:
+        typer.echo(
+            f"error: --level-windows-ms {text!r}: not numbers. Fix: e.g. '0,,' (high 0 ms)",
+            err=True,
+        )
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def worker(
     model: Annotated[
@@ -102,6 +116,31 @@ def worker(
             "GIL. Default: off.",
         ),
     ] = None,
+    level_windows_ms: Annotated[
+        str,
+        typer.Option(
+            help="Embeddings: batch window per level, high,medium,low (empty: "
+            "--batch-window-ms), e.g. '0,,'."
+        ),
+    ] = "",
+    load_aware_window: Annotated[
+        bool,
+        typer.Option(help="Embeddings: release when under one companion is expected."),
+    ] = False,
+    length_candidates: Annotated[
+        int,
+        typer.Option(min=0, help="Embeddings: form batches of similar lengths among this many."),
+    ] = 0,
+    max_padding_ratio: Annotated[
+        float, typer.Option(min=1.0, help="Embeddings: padded / real tokens, at most.")
+    ] = 1.25,
+    target_p99_ms: Annotated[
+        float | None,
+        typer.Option(min=0.001, help="Embeddings: AIMD batch cap on the high level's P99."),
+    ] = None,
+    min_batch_size: Annotated[
+        int, typer.Option(min=1, help="Embeddings: the AIMD cap's floor.")
+    ] = 1,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve one replica of one model over the OpenAI HTTP API."""
@@ -117,6 +156,12 @@ def worker(
         max_batch_size=max_batch_size,
         batch_window_ms=batch_window_ms,
         max_batch_tokens=max_batch_tokens,
+        level_windows_ms=_level_windows(level_windows_ms),
+        load_aware_window=load_aware_window,
+        length_candidates=length_candidates,
+        max_padding_ratio=max_padding_ratio,
+        target_p99_ms=target_p99_ms,
+        min_batch_size=min_batch_size,
         max_num_seqs=max_num_seqs,
         profile=str(profile) if profile else None,
         seed=seed,
@@ -124,6 +169,11 @@ def worker(
         probe_max_ms=probe_max_ms,
         engine_process=engine_process,
     )
+    try:
+        settings.batch_config()
+    except ValueError as exc:
+        typer.echo(f"error: {exc}. Fix: see tidegate worker --help", err=True)
+        raise typer.Exit(2) from None
     try:
         code = serve_worker(settings, host, port, log_level)
     except CannotBind as exc:
