@@ -48,7 +48,7 @@ def render_config(config: TidegateConfig) -> str:
             for device in config.devices
         ],
         "controller": render_controller(config.controller),
-        "models": [_render_model(model) for model in config.models.values()],
+        "models": [_render_model(model, config.levels) for model in config.models.values()],
         "keys": [
             {
                 "name": key.name,
@@ -92,7 +92,7 @@ def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.SequenceNo
 _Dumper.add_representer(list, _represent_list)
 
 
-def _render_model(model: ModelSpec) -> dict[str, Any]:
+def _render_model(model: ModelSpec, levels: tuple[str, ...]) -> dict[str, Any]:
     out: dict[str, Any] = {"name": model.name, "task": model.task, "engine": model.engine}
     if model.engine == "transformers":
         out["model_path"] = model.model_path
@@ -109,6 +109,16 @@ def _render_model(model: ModelSpec) -> dict[str, Any]:
         "batch_window_ms": model.batching.batch_window_ms,
         "max_batch_tokens": model.batching.max_batch_tokens,
         "max_num_seqs": model.batching.max_num_seqs,
+        "window_ms_by_priority": {
+            name: window
+            for name, window in zip(levels, model.batching.level_windows_ms, strict=False)
+            if window is not None
+        },
+        "load_aware_window": model.batching.load_aware_window,
+        "length_candidates": model.batching.length_candidates,
+        "max_padding_ratio": model.batching.max_padding_ratio,
+        "target_p99_ms": model.batching.target_p99_ms,
+        "min_batch_size": model.batching.min_batch_size,
     }
     out["queue"] = {
         "max_size": model.queue.max_size,

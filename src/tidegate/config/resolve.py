@@ -111,6 +111,38 @@ class _Resolver:
         self.control = ControlResolver(source, self.notes)  # devices, GPU asks, autoscaling
         self.inventory: tuple[Device, ...] = ()
 
+    def _batching(self, b: _BatchingIn, key: str) -> BatchingSpec:
+        """The batching section; adaptive keys checked against the levels and the window."""
+        windows: list[float | None] = [None] * len(self.levels)
+        for name, window in b.window_ms_by_priority.items():
+            self.level(name, f"{key}.window_ms_by_priority")
+            if window > b.batch_window_ms:
+                self.fail(
+                    f"{key}.window_ms_by_priority.{name}",
+                    f"{window:g} ms is over batch_window_ms ({b.batch_window_ms:g} ms): "
+                    "a level window only shortens the wait",
+                    f"set it to at most {b.batch_window_ms:g}, or raise batch_window_ms",
+                )
+            windows[self.levels.index(name)] = window
+        if b.min_batch_size > b.max_batch_size:
+            self.fail(
+                f"{key}.min_batch_size",
+                f"{b.min_batch_size} is over max_batch_size ({b.max_batch_size})",
+                "set min_batch_size <= max_batch_size",
+            )
+        return BatchingSpec(
+            max_batch_size=b.max_batch_size,
+            batch_window_ms=b.batch_window_ms,
+            max_batch_tokens=b.max_batch_tokens,
+            max_num_seqs=b.max_num_seqs,
+            level_windows_ms=tuple(windows) if b.window_ms_by_priority else (),
+            load_aware_window=b.load_aware_window,
+            length_candidates=b.length_candidates,
+            max_padding_ratio=b.max_padding_ratio,
+            target_p99_ms=b.target_p99_ms,
+            min_batch_size=b.min_batch_size,
+        )
+
     def fail(self, key: str, problem: str, fix: str) -> NoReturn:
         raise ConfigError(self.source, key, problem, fix)
 
@@ -351,13 +383,7 @@ class _Resolver:
             if sum(control.replicas.values()) == 0:
                 self.notes.append(f"model {m.name} starts with no replica")
             self._check_weights(m)
-        batching_in = m.batching or _BatchingIn()
-        batching = BatchingSpec(
-            max_batch_size=batching_in.max_batch_size,
-            batch_window_ms=batching_in.batch_window_ms,
-            max_batch_tokens=batching_in.max_batch_tokens,
-            max_num_seqs=batching_in.max_num_seqs,
-        )
+        batching = self._batching(m.batching or _BatchingIn(), f"{key}.batching")
         if not self.fifo:  # fifo: every pool serves its one level
             served = {level for name in model_pools for level in pools[name].priorities}
             self.notes += unserved_level_notes(m.name, model_pools, served, self.levels, self.aging)

@@ -15,6 +15,7 @@ from tidegate.config.values import _NAME_RE, DEFAULT_LEVELS
 Name = Annotated[str, Field(pattern=_NAME_RE.pattern)]
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 
@@ -138,6 +139,13 @@ class _BatchingIn(_Strict):
     batch_window_ms: NonNegativeFloat = 5.0
     max_batch_tokens: PositiveInt | None = None
     max_num_seqs: PositiveInt = 16
+    # adaptive batching (core.batching, core.batch_adapt); docs/config.md
+    window_ms_by_priority: dict[str, NonNegativeFloat] = Field(default_factory=dict)
+    load_aware_window: bool = False
+    length_candidates: NonNegativeInt = 0
+    max_padding_ratio: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.25
+    target_p99_ms: PositiveFloat | None = None
+    min_batch_size: PositiveInt = 1
 
 
 class _QueueIn(_Strict):

@@ -93,6 +93,13 @@ class BatchingSpec:
     batch_window_ms: float = 5.0
     max_batch_tokens: int | None = None
     max_num_seqs: int = 16
+    # adaptive batching: per level index (the config's priorities), None: batch_window_ms
+    level_windows_ms: tuple[float | None, ...] = ()
+    load_aware_window: bool = False
+    length_candidates: int = 0
+    max_padding_ratio: float = 1.25
+    target_p99_ms: float | None = None
+    min_batch_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,6 +338,12 @@ class TidegateConfig:
             max_batch_size=batching.max_batch_size,
             max_batch_tokens=batching.max_batch_tokens,
             batch_window_ms=batching.batch_window_ms,
+            level_windows_ms=batching.level_windows_ms,
+            load_aware=batching.load_aware_window,
+            length_candidates=batching.length_candidates,
+            max_padding_ratio=batching.max_padding_ratio,
+            target_p99_ms=batching.target_p99_ms,
+            min_batch_size=batching.min_batch_size,
         )
 
     def pool_specs(self) -> dict[str, PoolSpec]:
@@ -360,6 +373,12 @@ class TidegateConfig:
             max_batch_size=model.batching.max_batch_size,
             batch_window_ms=model.batching.batch_window_ms,
             max_batch_tokens=model.batching.max_batch_tokens,
+            level_windows_ms=model.batching.level_windows_ms,
+            load_aware_window=model.batching.load_aware_window,
+            length_candidates=model.batching.length_candidates,
+            max_padding_ratio=model.batching.max_padding_ratio,
+            target_p99_ms=model.batching.target_p99_ms,
+            min_batch_size=model.batching.min_batch_size,
             max_num_seqs=model.batching.max_num_seqs,
             profile=model.profile,
             probe_max_ms=model.probe_max_ms,

@@ -152,6 +152,7 @@ def worker_command(settings: WorkerSettings, log_level: str = "info") -> list[st
         args += ["--task", s.task]
     if s.max_batch_tokens is not None:
         args += ["--max-batch-tokens", str(s.max_batch_tokens)]
+    args += _adaptive_batching_args(s)
     if s.profile is not None:
         args += ["--profile", s.profile]
     if s.probe_max_ms is not None:
@@ -667,3 +668,20 @@ def _exit_text(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with status {code}"
+
+
+def _adaptive_batching_args(s: WorkerSettings) -> list[str]:
+    """The worker flags of adaptive batching that differ from their defaults."""
+    args: list[str] = []
+    if s.level_windows_ms:
+        windows = ",".join("" if w is None else f"{w:g}" for w in s.level_windows_ms)
+        args += ["--level-windows-ms", windows]
+    if s.load_aware_window:
+        args.append("--load-aware-window")
+    if s.length_candidates:
+        args += ["--length-candidates", str(s.length_candidates)]
+        args += ["--max-padding-ratio", f"{s.max_padding_ratio:g}"]
+    if s.target_p99_ms is not None:
+        args += ["--target-p99-ms", f"{s.target_p99_ms:g}"]
+        args += ["--min-batch-size", str(s.min_batch_size)]
+    return args
