@@ -35,6 +35,7 @@ BENCHMARKS = (
     "bench_autoscale",
     "bench_prefix",
     "bench_fairness",
+    "bench_batching",
 )
 VERDICTS = ("PASS", "MISS", "ERROR")
 

@@ -1,0 +1,364 @@
+"""Adaptive batching against the fixed rule, side by side in one run.
+
+The fixed rule (today's default): a batch leaves when full (max_batch_size 8, the minilm
+profile's knee) or 5 ms after its oldest member arrived. Adaptive: ``window_ms_by_priority
+{high: 0}`` (a high request never waits for companions), ``load_aware_window`` (a partial
+batch leaves once under one arrival is expected in what is left of its window) and
+``target_p99_ms`` 100 (AIMD cap on the high level's P99 at the worker). The mix: 20% high,
+30% medium, 50% low, Poisson arrivals, one replica.
+
+Parts (each optional):
+1. ``sim``: the simulator on the minilm CPU profile (benchmarks/profiles/minilm-cpu), at 10%
+   of its capacity (low load), 100% (the knee) and 200% (overload), through the gateway's
+   queue and the worker's, in virtual time (deterministic, machine-independent).
+2. ``real``: two real ``tidegate worker --model minilm`` processes, fixed and adaptive, the
+   same seeded open loops (benchmarks/loadgen.py) sent to each in turn (ABAB per load) at
+   low load, at the fixed worker's measured closed-loop capacity and at twice it. Latency
+   runs from the scheduled arrival; throughput is answers per second of the schedule.
+3. ``profile``: ``tidegate profile --model minilm`` on its default mixed workload (log-normal
+   lengths, median 64 tokens), short (batch sweep to 8, 2-6 s per point), with the fixed
+   rule's workers, then with workers that form batches of similar lengths
+   (``--length-candidates 64 --max-padding-ratio 1.25``); the knee batch of each.
+
+Targets (PASS/MISS): at low load the high p50 improves by at least the window (5 ms); at the
+knee and at 2x overload throughput within 5% of the fixed rule's and high p99 no worse
+(10% slack in the real part: the machine is shared and noisy, see docs/benchmarks.md); the
+profile knee on the mixed workload above batch 1 with length-aware formation.
+
+Run:
+    .venv/bin/python benchmarks/bench_batching.py [--parts sim real profile] [--quick]
+        [--verdict v.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import loadgen
+from summary import write_verdicts
+from tidegate.config import parse_config
+from tidegate.sim.run import Scenario, Simulation
+from tidegate.sim.service import load_service
+from tidegate.sim.workload import Arrival, Listed
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILE = ROOT / "benchmarks/profiles/minilm-cpu/profile.json"
+MAX_BATCH = 8
+WINDOW_MS = 5.0
+TARGET_P99_MS = 100.0
+MIX = (("high", 0.2), ("medium", 0.3), ("low", 0.5))
+LEVEL_INDEX = {"high": "0", "medium": "1", "low": "2"}
+FIXED: dict[str, Any] = {"max_batch_size": MAX_BATCH, "batch_window_ms": WINDOW_MS}
+ADAPTIVE: dict[str, Any] = {
+    **FIXED,
+    "window_ms_by_priority": {"high": 0},
+    "load_aware_window": True,
+    "target_p99_ms": TARGET_P99_MS,
+}
+ADAPTIVE_FLAGS = ("--level-windows-ms", "0,,", "--load-aware-window", "--target-p99-ms", "100")
+LENGTH_FLAGS = {"length_candidates": 64, "max_padding_ratio": 1.25}
+
+
+def _verdict(ok: bool, text: str) -> str:
+    return f"{'PASS' if ok else 'MISS'} {text}"
+
+
+# ------------------------------------------------------------------ simulator
+
+
+def _sim_run(batching: dict[str, Any], rate: float, duration_s: float) -> dict[str, float]:
+    data = {
+        "models": [
+            {
+                "name": "emb",
+                "task": "embeddings",
+                "engine": "simulated",
+                "replicas": 1,
+                "batching": batching,
+            }
+        ]
+    }
+    config = parse_config(data, "<bench_batching>")
+    arrivals = [
+        Arrival(at, 14, 0, cls) for at, cls in loadgen.poisson(rate, duration_s, 7, MIX, 10_000_000)
+    ]
+    scenario = Scenario(
+        config, "emb", load_service(str(PROFILE)), Listed("poisson", arrivals), {"shared": 1}
+    )
+    result = Simulation(scenario).run()
+    high = next(s for s in result.recorder.classes if s.name == "high")
+    completed = sum(s.outcomes["completed"] for s in result.recorder.classes)
+    span = max(duration_s, result.end_at - result.first_arrival_at)
+    return {
+        "high_p50_ms": 1e3 * (high.e2e.percentile(50) or math.nan),
+        "high_p99_ms": 1e3 * (high.e2e.percentile(99) or math.nan),
+        "throughput": completed / span,
+        "completed": completed,
+        "offered": len(arrivals),
+    }
+
+
+def sim_part(quick: bool) -> list[str]:
+    service = load_service(str(PROFILE))
+    assert service.batch is not None
+    capacity = MAX_BATCH / service.batch.batch_s(MAX_BATCH, 0)
+    print(f"\n## Simulator (profile {PROFILE.name}: capacity {capacity:.0f} req/s at batch 8)\n")
+    print("| load | rule | high p50 ms | high p99 ms | throughput req/s | completed/offered |")
+    print("|---|---|---:|---:|---:|---:|")
+    verdicts = []
+    duration = 30.0 if quick else 120.0
+    for name, share in (("low 10%", 0.1), ("knee 100%", 1.0), ("overload 200%", 2.0)):
+        rows = {
+            rule: _sim_run(batching, capacity * share, duration)
+            for rule, batching in (("fixed", FIXED), ("adaptive", ADAPTIVE))
+        }
+        for rule, row in rows.items():
+            print(
+                f"| {name} | {rule} | {row['high_p50_ms']:.1f} | {row['high_p99_ms']:.1f} | "
+                f"{row['throughput']:.1f} | {row['completed']:.0f}/{row['offered']:.0f} |"
+            )
+        verdicts += _compare("sim", name, rows["fixed"], rows["adaptive"], p99_slack=0.0)
+    return verdicts
+
+
+def _compare(
+    part: str, load: str, fixed: dict[str, float], adaptive: dict[str, float], p99_slack: float
+) -> list[str]:
+    if load.startswith("low"):
+        gain = fixed["high_p50_ms"] - adaptive["high_p50_ms"]
+        return [
+            _verdict(
+                gain >= WINDOW_MS,
+                f"{part} low load: high p50 {fixed['high_p50_ms']:.1f} -> "
+                f"{adaptive['high_p50_ms']:.1f} ms, better by {gain:.1f} ms (target >= "
+                f"{WINDOW_MS:g} ms, the window)",
+            )
+        ]
+    ratio = adaptive["throughput"] / fixed["throughput"]
+    p99_ratio = adaptive["high_p99_ms"] / fixed["high_p99_ms"]
+    return [
+        _verdict(
+            ratio >= 0.95,
+            f"{part} {load}: throughput {fixed['throughput']:.1f} -> "
+            f"{adaptive['throughput']:.1f} req/s ({ratio:.3f}x, target >= 0.95x)",
+        ),
+        _verdict(
+            p99_ratio <= 1.0 + p99_slack,
+            f"{part} {load}: high p99 {fixed['high_p99_ms']:.1f} -> "
+            f"{adaptive['high_p99_ms']:.1f} ms ({p99_ratio:.3f}x, target <= "
+            f"{1.0 + p99_slack:.2f}x)",
+        ),
+    ]
+
+
+# ------------------------------------------------------------------ real worker
+
+
+def _summarise(run: loadgen.OpenLoop) -> dict[str, float]:
+    high = [r.latency for r in run.records if r.tag == "high" and r.status == 200]
+    ok = [r for r in run.records if r.status == 200]
+    last_end = max((r.end for r in ok), default=run.started)
+    span = max(run.sending_s, last_end - run.started)
+    return {
+        "high_p50_ms": 1e3 * loadgen.percentile(high, 50) if high else math.nan,
+        "high_p99_ms": 1e3 * loadgen.percentile(high, 99) if high else math.nan,
+        "throughput": len(ok) / span if span > 0 else math.nan,
+        "completed": len(ok),
+        "offered": len(run.records),
+        "other_cores": run.cores.get("other processes", math.nan),
+    }
+
+
+async def _open(url: str, rate: float, duration_s: float, seed: int) -> dict[str, float]:
+    arrivals = loadgen.poisson(rate, duration_s, seed, MIX, 1_000_000)
+    bodies = loadgen.embedding_bodies("minilm", loadgen.sentences(256))
+    headers = {cls: {"x-tidegate-priority": LEVEL_INDEX[cls]} for cls, _ in MIX}
+    run = await loadgen.open_loop(
+        url,
+        "/v1/embeddings",
+        bodies,
+        arrivals,
+        headers,
+        drain_s=30.0,
+        timeout_s=60.0,
+        meters={},
+    )
+    return _summarise(run)
+
+
+async def _capacity(url: str, seconds: float) -> float:
+    bodies = loadgen.embedding_bodies("minilm", loadgen.sentences(256))
+    started = time.perf_counter()
+    records = await loadgen.closed_loop(
+        url, "/v1/embeddings", bodies, 2 * MAX_BATCH, asyncio.sleep(seconds)
+    )
+    elapsed = time.perf_counter() - started
+    return sum(1 for r in records if r.status == 200) / elapsed
+
+
+def real_part(quick: bool) -> list[str]:
+    logdir = Path(tempfile.mkdtemp(prefix="bench_batching_"))
+    common = ("--model", "minilm", "--max-batch-size", str(MAX_BATCH))
+    fixed = loadgen.start_worker("fixed", logdir, *common, "--batch-window-ms", "5")
+    adaptive = loadgen.start_worker(
+        "adaptive", logdir, *common, "--batch-window-ms", "5", *ADAPTIVE_FLAGS
+    )
+    verdicts: list[str] = []
+    try:
+        capacity = asyncio.run(_capacity(fixed.url, 4.0 if quick else 8.0))
+        seconds = 8.0 if quick else 15.0
+        print(f"\n## Real minilm workers (fixed worker's closed-loop capacity {capacity:.0f}/s)\n")
+        print("| load | rule | high p50 ms | high p99 ms | throughput req/s | completed/offered |")
+        print("|---|---|---:|---:|---:|---:|")
+        for name, rate in (
+            ("low", min(10.0, capacity / 10)),
+            ("knee", capacity),
+            ("overload 2x", 2 * capacity),
+        ):
+            rows: dict[str, list[dict[str, float]]] = {"fixed": [], "adaptive": []}
+            for seed, order in ((1, ("fixed", "adaptive")), (2, ("adaptive", "fixed"))):
+                for rule in order:
+                    url = fixed.url if rule == "fixed" else adaptive.url
+                    rows[rule].append(asyncio.run(_open(url, rate, seconds / 2, seed)))
+            merged = {rule: _merge(runs) for rule, runs in rows.items()}
+            for rule, row in merged.items():
+                print(
+                    f"| {name} {rate:.0f}/s | {rule} | {row['high_p50_ms']:.1f} | "
+                    f"{row['high_p99_ms']:.1f} | {row['throughput']:.1f} | "
+                    f"{row['completed']:.0f}/{row['offered']:.0f} |"
+                )
+            verdicts += _compare("real", name, merged["fixed"], merged["adaptive"], 0.10)
+        stats = asyncio.run(_stats(adaptive.url))
+        print("\nadaptive worker /stats batching:", json.dumps(stats.get("batching")))
+    finally:
+        loadgen.stop(fixed)
+        loadgen.stop(adaptive)
+    return verdicts
+
+
+def _merge(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Two halves (ABAB): medians of latency, means of throughput, sums of counts."""
+    return {
+        "high_p50_ms": sum(r["high_p50_ms"] for r in runs) / len(runs),
+        "high_p99_ms": max(r["high_p99_ms"] for r in runs),
+        "throughput": sum(r["throughput"] for r in runs) / len(runs),
+        "completed": sum(r["completed"] for r in runs),
+        "offered": sum(r["offered"] for r in runs),
+    }
+
+
+async def _stats(url: str) -> dict[str, Any]:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        answer = await client.get(f"{url}/stats")
+        result: dict[str, Any] = answer.json()
+        return result
+
+
+# ------------------------------------------------------------------ profile knee
+
+_PATCHED_PROFILE = (
+    "import functools, sys\n"
+    "import tidegate.profile.sweep as sweep\n"
+    "from tidegate.worker.runtime import WorkerSettings\n"
+    "sweep.WorkerSettings = functools.partial(WorkerSettings, **{kwargs})\n"
+    "from tidegate.cli import app\n"
+    "sys.argv = ['tidegate', *sys.argv[1:]]\n"
+    "app()\n"
+)
+
+
+def _profile_knee(out: Path, length_aware: bool, quick: bool) -> dict[str, Any]:
+    args = [
+        "profile",
+        "--model",
+        "minilm",
+        "--max-batch",
+        "8",
+        "--slo-p95-ms",
+        "400",
+        "--batch-windows-ms",
+        "0,5",
+        "--max-concurrency",
+        "16",
+        "--min-seconds-per-point",
+        "2" if quick else "4",
+        "--max-seconds-per-point",
+        "6" if quick else "12",
+        "--out",
+        str(out),
+    ]
+    kwargs = LENGTH_FLAGS if length_aware else {}
+    code = _PATCHED_PROFILE.replace("{kwargs}", repr(kwargs))
+    subprocess.run(
+        [sys.executable, "-c", code, *args], check=True, env=loadgen.child_env(), cwd=ROOT
+    )
+    profile: dict[str, Any] = json.loads((out / "profile.json").read_text())
+    return profile
+
+
+def _knee_and_points(profile: dict[str, Any]) -> tuple[int | None, list[str]]:
+    knee = profile.get("knee") or {}
+    points = [
+        f"B{p['batch_size']} {p['throughput_rps']:.0f} req/s (mean batch "
+        f"{p.get('mean_batch_size') or 0:.1f}, {p.get('batch_latency_ms') or 0:.0f} ms/batch)"
+        for p in profile.get("points", [])
+        if p.get("sweep") == "batch"
+    ]
+    return knee.get("batch_size"), points
+
+
+def profile_part(quick: bool) -> list[str]:
+    root = Path(tempfile.mkdtemp(prefix="bench_batching_profile_"))
+    before = _profile_knee(root / "fixed", False, quick)
+    after = _profile_knee(root / "length", True, quick)
+    print(f"\n## tidegate profile, default mixed workload (files under {root})\n")
+    knees = {}
+    for name, profile in (("fixed rule", before), ("length-aware", after)):
+        knee, points = _knee_and_points(profile)
+        knees[name] = knee
+        print(f"- {name}: knee batch {knee}; {', '.join(points)}")
+    after_knee = knees["length-aware"]
+    return [
+        _verdict(
+            after_knee is not None and after_knee > 1,
+            f"profile knee on the default mixed workload: {knees['fixed rule']} (fixed rule) "
+            f"-> {after_knee} (length-aware), target above batch 1",
+        )
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", nargs="+", default=["sim", "real", "profile"])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--verdict", type=Path)
+    args = parser.parse_args()
+    verdicts: list[str] = []
+    errors: list[str] = []
+    for part, run in (("sim", sim_part), ("real", real_part), ("profile", profile_part)):
+        if part not in args.parts:
+            continue
+        try:
+            verdicts += run(args.quick)
+        except Exception as exc:  # a part that failed is an ERROR row, the others still count
+            errors.append(f"{part}: {exc!r}")
+            print(f"ERROR {part}: {exc!r}", file=sys.stderr)
+    print("\n## Verdicts\n")
+    for line in verdicts:
+        print(line)
+    write_verdicts(args.verdict, "bench_batching", verdicts, errors)
+
+
+if __name__ == "__main__":
+    main()
