@@ -559,8 +559,10 @@ def explain(
 
     from tidegate.control.explain import (
         fetch_autoscaler,
+        fetch_batching,
         fetch_failure,
         fetch_tenants,
+        format_batching,
         format_decisions,
         format_tenants,
     )
@@ -568,6 +570,7 @@ def explain(
     try:
         models = fetch_autoscaler(url, key)["models"]
         tenants = fetch_tenants(url, key)
+        batching = fetch_batching(url, key, model)
     except httpx.HTTPError as exc:
         typer.echo(f"error: {fetch_failure(url, exc, key_given=bool(key))}", err=True)
         raise typer.Exit(1) from None
@@ -579,6 +582,8 @@ def explain(
         typer.echo(format_decisions(model, models[model], last, changes_only=not all_decisions))
     if model in tenants:
         typer.echo(format_tenants(model, tenants[model]))
+    if batching:
+        typer.echo(format_batching(model, batching))
 
 
 @app.command()

@@ -129,5 +129,5 @@ async def test_stats_name_a_level_window_release() -> None:
     # The high "block" goes at once (its level's window is 0, the others' is 1000 s); the
     # three medium inputs then fill a batch.
     assert engine.batches == [["block"], ["short-a", "long", "short-b"]]
-    assert stats["window_ms_by_level"] == [0.0]
+    assert stats["window_ms_by_level"] == [0.0, 1e6, 1e6]
     assert stats["releases_by_reason"] == {"level_window": 1, "full_size": 1}

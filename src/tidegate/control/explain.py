@@ -59,6 +59,60 @@ def format_tenants(model: str, described: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def fetch_batching(url: str, key: str | None, model: str) -> list[tuple[str, dict[str, Any]]]:
+    """Each ready replica of ``model``: its id and the ``batching`` section of its /stats
+    (the adaptive cap and windows now, why its batches left). A replica that does not answer
+    is listed with ``{"error": ...}``; one with no batching section (a generation model, a
+    vLLM upstream) is left out."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.get(f"{url.rstrip('/')}/admin/replicas", headers=headers, timeout=10)
+    response.raise_for_status()
+    found: list[tuple[str, dict[str, Any]]] = []
+    for replica in response.json().get(model, {}).get("replicas", []):
+        if replica.get("state") != "ready" or not replica.get("url"):
+            continue
+        try:
+            stats = httpx.get(f"{replica['url'].rstrip('/')}/stats", timeout=5).json()
+        except (httpx.HTTPError, ValueError) as exc:
+            found.append((str(replica.get("id")), {"error": f"/stats: {exc}"}))
+            continue
+        if isinstance(stats, dict) and isinstance(stats.get("batching"), dict):
+            found.append((str(replica.get("id")), stats["batching"]))
+    return found
+
+
+def format_batching(model: str, replicas: list[tuple[str, dict[str, Any]]]) -> str:
+    """Why each replica's batches left, and its adaptive cap and windows now."""
+    lines = [f"{model}: batching per replica (worker /stats)"]
+    for replica_id, batching in replicas:
+        if "error" in batching:
+            lines.append(f"  {replica_id}: {batching['error']}")
+            continue
+        reasons = ", ".join(f"{k} {v}" for k, v in batching.get("releases_by_reason", {}).items())
+        windows = "/".join(f"{w:g}" for w in batching.get("window_ms_by_level", []))
+        line = (
+            f"  {replica_id}: cap {batching.get('max_batch_size')} of "
+            f"{batching.get('configured_max_batch_size')}, windows {windows} ms by level"
+        )
+        if batching.get("load_aware"):
+            line += f", load-aware (rate {batching.get('arrival_rate_per_s')}/s)"
+        if batching.get("length_candidates"):
+            line += f", length-aware among {batching['length_candidates']}"
+        lines.append(line)
+        lines.append(
+            f"    last batch left by {batching.get('last_release_reason')}; "
+            f"releases: {reasons or 'none yet'}"
+        )
+        cap = batching.get("adaptive_cap")
+        if cap:
+            lines.append(
+                f"    AIMD cap: last {cap.get('last_decision')} at high P99 "
+                f"{cap.get('last_p99_ms')} ms against {cap.get('target_p99_ms')} ms, "
+                f"bounds {cap.get('bounds')}"
+            )
+    return "\n".join(lines)
+
+
 def fetch_failure(url: str, exc: httpx.HTTPError, key_given: bool) -> str:
     """One line on why the gateway did not answer, and what to do about it."""
     where = f"{url.rstrip('/')}/admin/autoscaler"

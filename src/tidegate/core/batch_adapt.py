@@ -205,11 +205,11 @@ class BatchPlanner:
             if request.priority == 0:
                 self.cap.observe(now - request.arrival_at)
 
-    def describe(self, now: float) -> dict[str, Any]:
+    def describe(self, now: float, num_levels: int = 3) -> dict[str, Any]:
         """What /stats and explain show: the current cap, windows, rate and reasons."""
         config = self.config
         rate = self.rate.rate_per_s(now) if self.rate is not None else None
-        levels = max(len(config.level_windows_ms), 1)
+        levels = max(len(config.level_windows_ms), num_levels)
         described: dict[str, Any] = {
             "max_batch_size": self.max_batch_size,
             "configured_max_batch_size": config.max_batch_size,
