@@ -286,7 +286,7 @@ def _profile_knee(out: Path, length_aware: bool, quick: bool) -> dict[str, Any]:
         "--max-batch",
         "8",
         "--slo-p95-ms",
-        "400",
+        "200",
         "--batch-windows-ms",
         "0,5",
         "--max-concurrency",
