@@ -24,8 +24,9 @@ exceptions keep aging's promise, both decided on the level head, which is also i
 request: when the head is eligible only by aging (a pick for more urgent pools), or when its
 level won over a more urgent level's head by aging, the head itself is taken: an aged request
 is always taken once past its level, never replaced by a fresh one of another tenant. With
-one tenant in the level the pick is the FIFO's, at the cost of one ``len``. A pick charges
-the tenant its request's estimate; ``settle`` corrects that with the tokens served.
+one tenant in the level, the level keeps no per-tenant FIFOs and the pick is the FIFO's. A
+pick charges the tenant its request's estimate; ``settle`` corrects that with the tokens
+served. With fair sharing, admission sheds by tenant too (``admit``).
 
 Invariants:
 - every admitted request leaves exactly once: popped, shed, expired or cancelled;
@@ -371,8 +372,10 @@ class WaitQueue:
 
         # Fair sharing: a tenant holding more of this level than the arrival's tenant gives up
         # its newest place instead of the arrival being refused (``_heavier_tenant``).
-        heavier = None if self.fair is None else self._heavier_tenant(request)
         held = spec.holdback_above is not None and saturation > spec.holdback_above
+        level_full = spec.max_size is not None and self._depths[level] >= spec.max_size
+        full = held or level_full or len(self._live) >= self.config.max_size
+        heavier = None if self.fair is None or not full else self._heavier_tenant(request)
         if held and heavier is None:
             return self._reject(
                 request,
@@ -391,7 +394,6 @@ class WaitQueue:
                     f"predicted queue wait {wait_s:.1f}s exceeds the deadline "
                     f"({max(0.0, deadline_at - now):.1f}s away)",
                 )
-        level_full = spec.max_size is not None and self._depths[level] >= spec.max_size
         if level_full and heavier is None:
             return self._reject(
                 request,
