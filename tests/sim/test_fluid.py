@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -128,7 +129,9 @@ def test_priority_keeps_high_within_its_slo_better_than_fifo() -> None:
     assert high[1] < 0.5
 
 
-def test_the_controller_is_decide_scale_on_what_the_fluid_measured() -> None:
+def test_the_controller_is_decide_scale_on_what_the_fluid_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     sim = FleetSimulation(scenario(SURGE))
     group = sim.groups[0]
     autoscaler = group.autoscaler
@@ -141,7 +144,7 @@ def test_the_controller_is_decide_scale_on_what_the_fluid_measured() -> None:
         calls.append((now, replicas, ready, queued, in_flight, delta))
         return delta
 
-    autoscaler.scale_delta = recording
+    monkeypatch.setattr(autoscaler, "scale_delta", recording)
     sim.run()
     assert len(calls) > 100
     assert any(delta > 0 for *_, delta in calls)
@@ -198,7 +201,9 @@ def test_holdback_thresholds_come_from_the_core_queue() -> None:
     assert abs(found[2] - 0.7) < 1e-6
 
 
-def test_a_full_inventory_refuses_replicas_and_never_over_commits() -> None:
+def test_a_full_inventory_refuses_replicas_and_never_over_commits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     small = Inventory(nodes=3, gpus_per_node=8)
     sim = FleetSimulation(scenario(SURGE, inventory=small))
     group = sim.groups[0]
@@ -209,7 +214,7 @@ def test_a_full_inventory_refuses_replicas_and_never_over_commits() -> None:
         assert sim.inventory.violations() == ()
         assert sim.inventory.used_gpus == 8 * len(group.replicas) <= small.gpus
 
-    group.step = checked
+    monkeypatch.setattr(group, "step", checked)
     result = sim.run()
     assert group.placement_refusals > 0
     assert max(used for _, used in result.gpus_in_use) == small.gpus

@@ -19,11 +19,13 @@ this is a fluid (mean-value) model, not M/G/c. Per replica, continuous batching 
 running sequences makes ``mu(B) = B / (E[output] d(B) + B pf)`` completions/s, where ``d(B)``
 is the service model's decode step and ``pf = E[prefill(prompt)]`` the mean prefill of one
 request (each second of engine time is decode steps, each advancing ``B`` sequences by a
-token, plus the prefill of the requests that joined). While the ready replicas keep up,
-``B`` is the solution of ``mu(B) = arrivals per ready replica`` (Little's law: in flight =
-rate x time in the engine); above ``mu(max_num_seqs)`` every slot is busy and the excess
-queues at the gateway, served in priority order (fifo: one order), with the core's graded
-holdback (``saturation = queued / max_size``) and shedding when full. The stochastic queue of
+token, plus the prefill of the requests that joined); a sequence spends ``T(B) = B / mu(B)``
+in the engine. Each step the ready replicas take what arrived, most urgent level first (fifo:
+one order), up to the dispatch rate that keeps the running set within ``max_num_seqs`` per
+replica; the running set relaxes towards ``dispatch rate x T(B)`` (Little's law) with time
+constant ``T(B)``, exactly over the step for a constant rate, so a step longer than ``T`` is
+still stable. What no slot takes queues at the gateway with the core's graded holdback
+(``saturation = queued / max_size``) and shedding when full. The stochastic queue of
 an M/G/c near saturation is left out on purpose: with c in the hundreds its waits are
 sub-second within ``1/sqrt(c)`` of full load, while the misses that decide SLO attainment
 come from capacity lagging demand (cold starts, scale-down windows), which the fluid keeps.
