@@ -24,7 +24,8 @@
    autoscaler's target): GPU-hours and attainment per level of each, and their relative
    differences (target: every one within 5%). The request-level run is timed too.
 
-Run (about a minute on 2 cores for 1-3, 10-15 minutes for 4):
+Run (about a minute on 2 cores for 1-3; about 7 minutes for 4, 4.5 of them the request-level
+m-large hour):
     .venv/bin/python benchmarks/bench_sim.py [--requests 200000] [--repeat 3] [--cprofile]
         [--traces ../shared/traces] [--json out.json] [--quick] [--verdict v.json]
         [--skip-fleet | --fleet-only] [--fleet examples/fleet-servegen.yaml]
