@@ -28,7 +28,7 @@ Run (about a minute on 2 cores for 1-3; about 7 minutes for 4, 4.5 of them the r
 m-large hour):
     .venv/bin/python benchmarks/bench_sim.py [--requests 200000] [--repeat 3] [--cprofile]
         [--traces ../shared/traces] [--json out.json] [--quick] [--verdict v.json]
-        [--skip-fleet | --fleet-only] [--fleet examples/fleet-servegen.yaml]
+        [--skip-fleet | --fleet-only] [--fleet examples/fleet-servegen.yaml] [--fleet-days N]
 Prints markdown tables and PASS/MISS lines; always exits 0.
 """
 
