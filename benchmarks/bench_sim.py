@@ -66,7 +66,9 @@ ROOT = Path(__file__).resolve().parent.parent
 FLEET_FILE = ROOT / "examples" / "fleet-servegen.yaml"
 FLEET_TARGET_S = 600.0
 FLEET_AGREEMENT = 0.05
-SLICES = (("m-large", 18 * 3600.0), ("deepseek-r1", 21 * 3600.0))
+# m-large's evening ramp, deepseek-r1 before its 22h peak (80 s sequences), mm-image's
+# afternoon (2,000-token prompts: the engine part of the TTFT decides high's attainment)
+SLICES = (("m-large", 18 * 3600.0), ("deepseek-r1", 21 * 3600.0), ("mm-image", 16 * 3600.0))
 DEFAULT_TRACES = ROOT.parent / "shared" / "traces"
 TARGET_PER_S = 200_000.0
 MIX = (("high", 0.2), ("medium", 0.3), ("low", 0.5))
@@ -350,14 +352,15 @@ def fleet_lines(replay: dict[str, Any], slices: list[dict[str, Any]]) -> list[st
     )
     print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     worst = 0.0
+    each = []
     for row in slices:
         gpu_diff = _relative(row["fluid_gpu_hours"], row["request_gpu_hours"])
-        worst = max(worst, abs(gpu_diff or 0.0))
+        largest = abs(gpu_diff or 0.0)
         for index, level in enumerate(row["request_attainment"]):
             fluid = row["fluid_attainment"].get(level)
             request = row["request_attainment"][level]
             diff = _relative(fluid, request)
-            worst = max(worst, abs(diff or 0.0))
+            largest = max(largest, abs(diff or 0.0))
             head = (
                 f"| {row['model']} {row['start_h']:g}:00 | {row['requests']:,} | "
                 f"{row['replicas_at_start']} | {row['fluid_gpu_hours']:.1f} | "
@@ -369,6 +372,8 @@ def fleet_lines(replay: dict[str, Any], slices: list[dict[str, Any]]) -> list[st
                 f"{head}| {level} | {_pct(fluid, signed=False)} | "
                 f"{_pct(request, signed=False)} | {_pct(diff)} |"
             )
+        worst = max(worst, largest)
+        each.append(f"{row['model']} {row['start_h']:g}:00 {largest * 100:.1f}%")
     print()
     minutes = replay["wall_s"]
     return [
@@ -377,7 +382,7 @@ def fleet_lines(replay: dict[str, Any], slices: list[dict[str, Any]]) -> list[st
         f"{minutes:.0f} s (target <= {FLEET_TARGET_S:.0f} s)",
         f"{'PASS' if worst <= FLEET_AGREEMENT else 'MISS'} fleet level vs request level on "
         f"{len(slices)} one-hour slices: GPU-hours and attainment per level within "
-        f"{worst * 100:.1f}% (target <= {FLEET_AGREEMENT * 100:.0f}%)",
+        f"{worst * 100:.1f}% ({', '.join(each)}; target <= {FLEET_AGREEMENT * 100:.0f}% on each)",
     ]
 
 
