@@ -351,11 +351,11 @@ def test_decide_batch_cap(cap: int, p99_s: float, expected: tuple[int, str]) -> 
 def test_adaptive_cap_shrinks_under_late_batches_and_grows_back() -> None:
     cap = AdaptiveCap(CapConfig(target_p99_s=0.1, max_batch_size=16, num_samples=10))
     for _ in range(20):
-        cap.observe(0.5)
+        cap.observe(0.5, 0.4)  # late, and mostly running: the batch is the latency
     assert cap.cap == 4
     assert cap.last_decision == "decrease"
     for _ in range(30):
-        cap.observe(0.01)
+        cap.observe(0.01, 0.01)
     assert cap.cap == 7
     assert cap.last_decision == "increase"
 
@@ -365,7 +365,7 @@ def test_adaptive_cap_shrinks_under_late_batches_and_grows_back() -> None:
 def test_adaptive_cap_stays_within_its_bounds(latencies: list[float], low: int, high: int) -> None:
     cap = AdaptiveCap(CapConfig(0.1, max_batch_size=high, min_batch_size=low, num_samples=7))
     for latency in latencies:
-        cap.observe(latency)
+        cap.observe(latency, latency / 2)
         assert low <= cap.cap <= high
 
 
@@ -373,3 +373,16 @@ def test_p99_is_nearest_rank() -> None:
     assert p99([1.0]) == 1.0
     assert p99([float(i) for i in range(1, 101)]) == 99.0
     assert math.isclose(p99([float(i) for i in range(1, 201)]), 198.0)
+
+
+def test_adaptive_cap_holds_when_the_latency_is_queueing() -> None:
+    """Late because waiting behind a backlog: a smaller batch would drain it slower."""
+    cap = AdaptiveCap(CapConfig(target_p99_s=0.1, max_batch_size=16, num_samples=10))
+    for _ in range(40):
+        cap.observe(2.0, 0.05)
+    assert cap.cap == 16
+    assert cap.last_decision == "hold_queueing"
+
+
+def test_decide_batch_cap_over_target_while_queueing_holds() -> None:
+    assert decide_batch_cap(16, 0.2, CAP, queueing=True) == (16, "hold_queueing")

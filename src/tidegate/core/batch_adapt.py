@@ -11,8 +11,11 @@ and the simulator drive them identically and tests drive them with made-up times
 - ``AdaptiveCap``: AIMD on the batch's count bound, driven by the most urgent level's
   latency. Every ``num_samples`` latencies of that level it takes their P99: over the
   target, the cap is multiplied by ``decrease_factor`` (a batch that makes urgent requests
-  late shrinks fast); under ``grow_below`` x target, it grows by one (slowly, back towards
-  the throughput of large batches); in between it holds (the dead band keeps it from
+  late shrinks fast), unless those requests spent more of their time (median) waiting than
+  running: then the latency is queueing, a smaller batch would only drain the queue slower
+  (measured: the cap spiralled to 1 and throughput fell to a third), and the cap holds;
+  under ``grow_below`` x target, it grows by one (slowly, back towards the throughput of
+  large batches); in between it holds (the dead band keeps it from
   flapping). It stays within ``[min_batch_size, max_batch_size]``: the upper bound is the
   configured maximum, which the profile's knee sets (``tidegate profile`` recommends it).
 - ``BatchPlanner`` holds one replica's rule, rate and cap, and counts why batches left.
@@ -95,8 +98,12 @@ def p99(samples: list[float]) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
-def decide_batch_cap(cap: int, p99_s: float, config: CapConfig) -> tuple[int, str]:
-    """The next cap and why: ``decrease``, ``increase`` or ``hold``."""
+def decide_batch_cap(
+    cap: int, p99_s: float, config: CapConfig, queueing: bool = False
+) -> tuple[int, str]:
+    """The next cap and why: ``decrease``, ``increase``, ``hold`` or ``hold_queueing``."""
+    if p99_s > config.target_p99_s and queueing:
+        return cap, "hold_queueing"  # the wait is the queue's: shrinking would slow the drain
     if p99_s > config.target_p99_s:
         shrunk = max(config.min_batch_size, math.floor(cap * config.decrease_factor))
         return shrunk, "decrease" if shrunk < cap else "hold"
@@ -108,22 +115,37 @@ def decide_batch_cap(cap: int, p99_s: float, config: CapConfig) -> tuple[int, st
 class AdaptiveCap:
     """The cap and the latencies since the last decision (see the module note)."""
 
-    __slots__ = ("_samples", "cap", "config", "last_decision", "last_p99_s")
+    __slots__ = ("_runs", "_samples", "_waits", "cap", "config", "last_decision", "last_p99_s")
 
     def __init__(self, config: CapConfig) -> None:
         self.config = config
         self.cap = config.max_batch_size  # start optimistic: the knee
         self._samples: list[float] = []
+        self._waits: list[float] = []
+        self._runs: list[float] = []
         self.last_p99_s: float | None = None
         self.last_decision = "start"
 
-    def observe(self, latency_s: float) -> None:
-        """One latency of the most urgent level; decides every ``num_samples``."""
+    def observe(self, latency_s: float, run_s: float) -> None:
+        """One request of the most urgent level: its latency and the part its batch ran
+        (the rest it waited); decides every ``num_samples``."""
         self._samples.append(latency_s)
+        self._runs.append(run_s)
+        self._waits.append(max(0.0, latency_s - run_s))
         if len(self._samples) >= self.config.num_samples:
             self.last_p99_s = p99(self._samples)
+            queueing = _median(self._waits) > _median(self._runs)
             self._samples.clear()
-            self.cap, self.last_decision = decide_batch_cap(self.cap, self.last_p99_s, self.config)
+            self._waits.clear()
+            self._runs.clear()
+            self.cap, self.last_decision = decide_batch_cap(
+                self.cap, self.last_p99_s, self.config, queueing
+            )
+
+
+def _median(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[len(ordered) // 2]
 
 
 class BatchPlanner:
@@ -197,13 +219,14 @@ class BatchPlanner:
             queue.cancel(request.id)
         return release.batch
 
-    def finished(self, batch: Sequence[Request], now: float) -> None:
-        """The engine answered ``batch`` at ``now``: the most urgent level's latencies."""
+    def finished(self, batch: Sequence[Request], now: float, started_at: float) -> None:
+        """The engine answered ``batch`` at ``now``, started at ``started_at``: the most
+        urgent level's latencies, and how much of each was the batch running."""
         if self.cap is None:
             return
         for request in batch:
             if request.priority == 0:
-                self.cap.observe(now - request.arrival_at)
+                self.cap.observe(now - request.arrival_at, now - started_at)
 
     def describe(self, now: float, num_levels: int = 3) -> dict[str, Any]:
         """What /stats and explain show: the current cap, windows, rate and reasons."""

@@ -119,6 +119,7 @@ class BatchWorker(_LocalQueue):
         self.running: tuple[Request, ...] = ()
         self._peek = self.planner.peek_size
         self._timer_at: float | None = None
+        self._started_at = 0.0  # when the running batch went to the engine
 
     def submit(self, ticket: Ticket) -> None:
         now = self.kernel.time
@@ -137,6 +138,7 @@ class BatchWorker(_LocalQueue):
             planner.released(plan)
             batch = planner.take(queue, plan, now)
             self.running = batch
+            self._started_at = now
             self.recorder.batch_sizes[len(batch)] += 1
             tokens = 0
             for request in batch:
@@ -159,7 +161,7 @@ class BatchWorker(_LocalQueue):
         if version != self._version:
             return
         tickets = [self.tickets.pop(request.id) for request in self.running]
-        self.planner.finished(self.running, self.kernel.time)
+        self.planner.finished(self.running, self.kernel.time, self._started_at)
         self.running = ()
         self._plan(self.kernel.time)
         self.sink.done(self.replica_id, tickets)

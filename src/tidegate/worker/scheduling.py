@@ -188,7 +188,7 @@ class EmbeddingBatcher:
         finally:
             self.num_running = 0
         done = self.clock.now()
-        self.planner.finished(batch, done)
+        self.planner.finished(batch, done, started)
         self.metrics.batch_size.labels(self.engine.card.name).observe(len(batch))
         self.metrics.batch_duration.labels(self.engine.card.name).observe(done - started)
         self.throughput.record(done, len(batch))
