@@ -14,7 +14,7 @@
    sequences, at 1x and 1.5x its rate. Target: well under a second per policy.
 3. ``--cprofile``: the saturated scenario under cProfile: the top functions and the split
    of the time between ``tidegate/core`` and ``tidegate/sim``.
-4. Fleet level (``sim.fluid``, ``examples/fleet-servegen.yaml``): (a) the 14 days of the
+4. Fleet level (``sim.fluid``, ``examples/fleets/servegen.yaml``): (a) the 14 days of the
    ServeGen aggregate for its 5 models at once on 10,000 GPUs (1,250 nodes of 8), tidegate
    autoscaling each: wall time (target <= 600 s), GPU-hours, SLO attainment per level, peak
    GPUs, placement refusals; (b) one-hour slices of single models (m-large 18:00-19:00, its
@@ -28,7 +28,7 @@ Run (about a minute on 2 cores for 1-3; about 7 minutes for 4, 4.5 of them the r
 m-large hour):
     .venv/bin/python benchmarks/bench_sim.py [--requests 200000] [--repeat 3] [--cprofile]
         [--traces ../shared/traces] [--json out.json] [--quick] [--verdict v.json]
-        [--skip-fleet | --fleet-only] [--fleet examples/fleet-servegen.yaml] [--fleet-days N]
+        [--skip-fleet | --fleet-only] [--fleet examples/fleets/servegen.yaml] [--fleet-days N]
 Prints markdown tables and PASS/MISS lines; always exits 0.
 """
 
@@ -63,7 +63,7 @@ from tidegate.sim.synthetic import RateWorkload, Segment
 from tidegate.sim.workload import NO_SCALE, Arrival, Listed, Prioritized
 
 ROOT = Path(__file__).resolve().parent.parent
-FLEET_FILE = ROOT / "examples" / "fleet-servegen.yaml"
+FLEET_FILE = ROOT / "examples" / "fleets" / "servegen.yaml"
 FLEET_TARGET_S = 600.0
 FLEET_AGREEMENT = 0.05
 # m-large's evening ramp, deepseek-r1 before its 22h peak (80 s sequences), mm-image's
