@@ -251,6 +251,11 @@ class FastCycle:
         )
         parts.append(body)
         self._transport.write(b"".join(parts))
+        # The whole answer is one write already: send it now, not at the end of the loop's
+        # turn (worker.server's joining transport), so that ``Reply.settle`` runs after it.
+        flush = getattr(self._transport, "flush", None)
+        if flush is not None:
+            flush()
         self._complete()
 
     async def _write_stream(self, reply: Reply) -> None:
