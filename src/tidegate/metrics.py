@@ -7,6 +7,8 @@ memory) of its own process. docs/observability.md lists every metric and who exp
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 # Seconds: from a millisecond batch to a minute-long queue wait.
@@ -75,6 +77,27 @@ class _RequestMetrics:
             ["model", "priority", "outcome"],
             registry=r,
         )
+        # Labelled children, looked up once: ``labels()`` takes a lock and checks every
+        # value, a fair share of the bookkeeping of a request. The label sets are bounded
+        # (configured models and levels, a fixed set of outcomes and phases).
+        self._counters: dict[tuple[str, str, str], Any] = {}
+        self._timers: dict[tuple[str, str, str], Any] = {}
+
+    def count(self, model: str, priority: str, outcome: str) -> None:
+        """``tidegate_requests_total{model, priority, outcome}`` + 1."""
+        key = (model, priority, outcome)
+        child = self._counters.get(key)
+        if child is None:
+            child = self._counters[key] = self.requests.labels(*key)
+        child.inc()
+
+    def observe(self, model: str, priority: str, phase: str, seconds: float) -> None:
+        """One ``tidegate_request_duration_seconds{model, priority, phase}`` observation."""
+        key = (model, priority, phase)
+        child = self._timers.get(key)
+        if child is None:
+            child = self._timers[key] = self.request_duration.labels(*key)
+        child.observe(seconds)
 
 
 class WorkerMetrics(_RequestMetrics):

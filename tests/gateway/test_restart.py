@@ -134,8 +134,8 @@ async def test_request_waits_for_a_failed_local_replica_that_restarts(tmp_path: 
             admitted = asyncio.Event()
             submit = dispatcher.submit
 
-            def submit_and_tell(request: CoreRequest) -> Ticket:
-                ticket = submit(request)
+            def submit_and_tell(request: CoreRequest, prefix_key: int | None = None) -> Ticket:
+                ticket = submit(request, prefix_key)
                 admitted.set()  # admitted, not refused: it waits in the queue
                 return ticket
 

@@ -183,7 +183,7 @@ def outcome_of(exc: TidegateError) -> str:
 
 
 def _count(gateway: Gateway, call: _Call) -> None:
-    gateway.metrics.requests.labels(call.model, call.priority, call.outcome).inc()
+    gateway.metrics.count(call.model, call.priority, str(call.outcome))
 
 
 async def _admit_and_forward(
@@ -314,9 +314,7 @@ async def _wait_for_slot(dispatcher: ModelDispatcher, ticket: Ticket, call: _Cal
         call.outcome = "cancelled"
         raise
     call.queue_s = time.monotonic() - call.started
-    dispatcher.metrics.request_duration.labels(call.model, call.priority, "queue").observe(
-        call.queue_s
-    )
+    dispatcher.metrics.observe(call.model, call.priority, "queue", call.queue_s)
     return replica
 
 
@@ -331,7 +329,7 @@ async def _send(
 ) -> Forwarded:
     if replica.url is None or not replica.ready:  # it died while this handler woke up
         raise ReplicaGone(f"replica {replica.id} stopped before the request was sent")
-    observe = gateway.metrics.request_duration.labels(call.model, call.priority, "ttft").observe
+    metrics = gateway.metrics
     if replica.auth_headers:
         headers = {**headers, **replica.auth_headers}
     try:
@@ -344,7 +342,9 @@ async def _send(
                 body,
                 headers,
                 stream=stream,
-                on_first_byte=lambda at: observe(at - call.started),
+                on_first_byte=lambda at: metrics.observe(
+                    call.model, call.priority, "ttft", at - call.started
+                ),
             )
     except ReplicaFailed as exc:
         raise ReplicaFailed(f"replica {replica.id}: {exc.message}") from exc
@@ -360,7 +360,11 @@ def _respond(
 ) -> Reply:
     headers = [(n, v) for n, v in forwarded.headers if n not in OWN_HEADERS]
     headers += call.raw_headers()
-    e2e = gateway.metrics.request_duration.labels(call.model, call.priority, "e2e").observe
+    metrics = gateway.metrics
+
+    def e2e(seconds: float) -> None:
+        metrics.observe(call.model, call.priority, "e2e", seconds)
+
     status = forwarded.status
     if forwarded.chunks is None:
         call.outcome = "completed" if status < 400 else ("invalid" if status < 500 else "failed")

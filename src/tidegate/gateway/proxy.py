@@ -281,7 +281,8 @@ async def forward(
     on_first_byte: Callable[[float], None] | None = None,
 ) -> Forwarded:
     """POST ``body`` to ``url + path``. Raises ConnectFailed before any byte, ReplicaFailed
-    after."""
+    after. ``on_first_byte(monotonic time)``: when the answer's head came (a whole answer)
+    or its first chunk with content (a stream)."""
     origin = pool.origin(url)
     message = _request_bytes(origin, path, body, headers)
     conn, reused = await pool.connect(origin)
@@ -305,6 +306,8 @@ async def forward(
         (lower, value) for name, value in conn.headers if (lower := name.lower()) not in HOP_HEADERS
     ]
     if not stream or conn.status != 200:
+        if on_first_byte is not None:  # a whole answer's first byte: its head
+            on_first_byte(time.monotonic())
         try:
             await conn.done
         except BaseException as exc:

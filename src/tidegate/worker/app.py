@@ -440,9 +440,7 @@ async def _first_event(
     try:
         return await anext(events, None)
     except TidegateError as exc:
-        worker.metrics.requests.labels(
-            worker.settings.model, LEVEL_NAMES[priority], _outcome_name(exc)
-        ).inc()
+        worker.metrics.count(worker.settings.model, LEVEL_NAMES[priority], _outcome_name(exc))
         raise
 
 
@@ -507,7 +505,7 @@ class _Outcome:
         self.name: str | None = None
 
     def observe(self, phase: str, seconds: float) -> None:
-        self.metrics.request_duration.labels(self.model, self.priority, phase).observe(seconds)
+        self.metrics.observe(self.model, self.priority, phase, seconds)
 
     def observe_e2e(self, seconds: float) -> None:
         self.observe("e2e", seconds)
@@ -535,7 +533,7 @@ def _outcome(worker: Worker, priority: int) -> Any:
         raise
     finally:
         outcome.name = outcome.name or "cancelled"  # a stream closed without finishing
-        worker.metrics.requests.labels(outcome.model, outcome.priority, outcome.name).inc()
+        worker.metrics.count(outcome.model, outcome.priority, outcome.name)
 
 
 def _count_tokens(worker: Worker, prompt: int, completion: int) -> None:
