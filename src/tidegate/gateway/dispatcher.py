@@ -34,7 +34,7 @@ import dataclasses
 import itertools
 import json
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tidegate.clock import SYSTEM_CLOCK, Clock
@@ -42,7 +42,7 @@ from tidegate.core.outliers import OutlierAction, OutlierConfig, decide_outlier,
 from tidegate.core.prefix import PrefixAffinity
 from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
 from tidegate.core.request import Request
-from tidegate.core.routing import PoolSpec, ReplicaView, pick_replica, servable_levels
+from tidegate.core.routing import PoolSpec, ReplicaView, pick_replica, servable_levels, serves
 from tidegate.errors import InvalidRequest, NotReady, Overloaded, QueueTimeout
 from tidegate.gateway.replicas import Replica, ReplicaState
 from tidegate.metrics import GatewayMetrics
@@ -256,12 +256,14 @@ class ModelDispatcher:
     def retry(self, ticket: Ticket, failed: Replica) -> Ticket:
         """Put a request whose replica failed before any byte back in front of its level.
 
-        Its next pick avoids ``failed`` while another replica has a free slot for it.
+        Its next pick avoids ``failed`` while another ready replica serves its level: it
+        waits for a free slot there rather than go back to the one that just failed it (a
+        replica whose node went refuses every connection until it is replaced).
         """
         failed.in_flight -= 1
         request = dataclasses.replace(ticket.request, attempt=ticket.request.attempt + 1)
         self.queue.requeue(request, self.clock.now())
-        again = Ticket(request)
+        again = Ticket(request, prefix_key=ticket.prefix_key)
         self._tickets[request.id] = again
         self._avoid[request.id] = failed.id
         self._dispatch(self.clock.now())
@@ -319,6 +321,12 @@ class ModelDispatcher:
             if avoid is not None:  # a retry: another replica if one has a free slot
                 others = [v for v in views.values() if v.id != avoid]
                 view = self._pick(others, request, aged, ticket.prefix_key)
+                if view is None and self._served_by(others, request.priority, aged):
+                    # They are full: wait for one, first in its level as it was.
+                    self.queue.requeue(request, now)
+                    self._avoid[request.id] = avoid
+                    self._tickets[request.id] = ticket
+                    return levels
             if view is None:
                 view = self._pick(views.values(), request, aged, ticket.prefix_key)
             assert view is not None  # a servable level has an eligible replica
@@ -328,6 +336,13 @@ class ModelDispatcher:
             ticket.assigned_at = now
             ticket.assigned.set_result(replica)
         return levels
+
+    def _served_by(self, views: Iterable[ReplicaView], priority: int, aged: int | None) -> bool:
+        """Whether a ready replica among ``views`` serves ``priority`` (free slot or not)."""
+        return any(
+            view.ready and view.pool in self.pools and serves(self.pools[view.pool], priority, aged)
+            for view in views
+        )
 
     def _pick(
         self,
