@@ -36,7 +36,9 @@ PROFILE_TIMEOUT_S = 900
 FILES = {"profile.json", "recommended.yaml", "report.md", "report.png"}
 # Latencies large enough that the HTTP and timer overheads (a few ms here) stay within 10%.
 KNOWN_BATCH_MS = {1: 60.0, 2: 70.0, 4: 90.0, 8: 150.0}
-EMBED_SLO_MS = 220.0  # p95 is about 2 x batch latency at 2B in flight: batch 4 meets it, 8 not
+# p95 is about 2 x batch latency at 2B in flight: batch 4 (180 ms) meets it with room for a
+# loaded machine (a late client only adds), batch 8 (300 ms at the least) cannot.
+EMBED_SLO_MS = 260.0
 
 
 def known_embeddings_knee() -> float:
@@ -83,7 +85,9 @@ def embeddings_round_trip(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     out = folder / "out"
     result = run_profile(
         "--model", "sim", "--engine", "simulated", "--sim-profile", str(known),
-        "--max-batch", "8", "--max-concurrency", "16", "--batch-windows-ms", "5",
+        # The window only waits for a straggler: a client late by more than 5 ms on a
+        # loaded machine would leave a batch short of full.
+        "--max-batch", "8", "--max-concurrency", "16", "--batch-windows-ms", "30",
         "--slo-p95-ms", str(EMBED_SLO_MS), "--min-seconds-per-point", "1.5",
         "--max-seconds-per-point", "8",
         out=out,
