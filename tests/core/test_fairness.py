@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidegate.core.fairness import FairnessConfig, VirtualTokenCounters
+from tidegate.core.fairness import FairnessConfig, VirtualTokenCounters, slot_share
 from tidegate.core.queue import Admitted, AgingConfig, LevelSpec, QueueConfig, WaitQueue
 from tidegate.core.request import Request
 
@@ -225,6 +225,95 @@ def test_batch_pick_shares_too() -> None:
     assert [r.id for r in queue.peek(4, 0.0)] == ["a0", "b0", "a1", "b1"]
     assert [r.id for r in queue.pop(4, 0.0, max_tokens=3)] == ["a0", "b0", "a1"]
     assert len(queue) == 5
+
+
+# ----------------------------------------------------------------------- slot shares
+@pytest.mark.parametrize(
+    ("slots", "share", "active_shares", "expected"),
+    [
+        (64, 1.0, 2.0, 32.0),  # two equal tenants: half each
+        (64, 1.0, 1.0, 64.0),  # alone: every slot
+        (64, 2.0, 3.0, 128 / 3),  # share 2 beside a share 1: two thirds
+        (4, 1.0, 8.0, 1.0),  # more tenants than slots: still one each
+        (8, 1.0, 0.0, 8.0),  # nobody active yet (a newcomer counted before it arrives)
+    ],
+)
+def test_slot_share_is_slots_times_share_over_active_shares(
+    slots: int, share: float, active_shares: float, expected: float
+) -> None:
+    assert slot_share(slots, share, active_shares) == pytest.approx(expected)
+
+
+def _heavy_holds(queue: WaitQueue, slots: int, held: int) -> None:
+    """``light`` holds one slot (``light-old``) and ``heavy`` takes ``held`` more; then
+    ``light-old`` settles at 500 tokens (its counter far above heavy's) and ``light0``
+    waits beside heavy's backlog."""
+    queue.set_slots(slots)
+    admit_all(queue, [treq("light-old", "light")])
+    admit_all(queue, [treq(f"heavy{i}", "heavy", at=1 + i) for i in range(held + 3)], now=1)
+    assert [r.id for r in queue.pop(1, 1.0)] == ["light-old"]  # counters tie: the earlier
+    assert len(queue.pop(held, 1.0)) == held
+    queue.settle(treq("light-old", "light"), input_tokens=500, output_tokens=0)
+    admit_all(queue, [treq("light0", "light", at=50.0)], now=50.0)
+
+
+@pytest.mark.parametrize(
+    ("slots", "expected"),
+    [
+        (0, "heavy"),  # no slot bound: the counters alone, heavy's is least
+        (4, "light"),  # heavy holds 3 of 4, over its share of 2: light, under its share
+        (64, "heavy"),  # heavy holds 3 of 64, under its share of 32 too: the counters
+    ],
+)
+def test_tenant_over_its_slot_share_gives_way_to_one_under(slots: int, expected: str) -> None:
+    queue = fair_queue()
+    _heavy_holds(queue, slots, held=3)
+    queue.vacate(treq("light-old", "light"))  # light's old request ended
+    assert queue.pop(1, 50.0)[0].tenant == expected
+
+
+def test_every_waiting_tenant_over_its_share_the_counters_decide() -> None:
+    """Work-conserving: light, holding its share already, still gets a free slot."""
+    queue = fair_queue()
+    _heavy_holds(queue, 2, held=1)  # light holds 1 (its old request), heavy 1: 1 each
+    assert queue.pop(1, 50.0)[0].tenant == "heavy"  # both at their share: heavy's counter
+    assert queue.pop(1, 50.0)[0].tenant == "heavy"
+
+
+def test_vacate_and_requeue_give_the_slot_back() -> None:
+    queue = fair_queue()
+    queue.set_slots(2)
+    admit_all(queue, [treq("a0", "a"), treq("a1", "a", at=1), treq("b0", "b", at=2)])
+    (a0,) = queue.pop(1, 2.0)
+    assert queue.tenants()["a"]["in_flight"] == 1
+    queue.requeue(a0, 2.0)
+    assert queue.tenants()["a"]["in_flight"] == 0
+    (first,) = queue.pop(1, 2.0)
+    queue.vacate(first)
+    queue.vacate(first)  # a second vacate of a tenant holding nothing: no-op
+    assert all(t["in_flight"] == 0 for t in queue.tenants().values())
+
+
+def test_tenant_view_shows_slots_and_share() -> None:
+    queue = fair_queue()
+    queue.set_slots(6)
+    admit_all(queue, [treq("a0", "a"), treq("a1", "a", at=1), treq("b0", "b", at=2)])
+    queue.pop(1, 2.0)
+    view = queue.tenants()
+    assert view["a"]["in_flight"] == 1
+    assert view["a"]["slot_share"] == 3.0
+    assert view["b"]["slot_share"] == 3.0
+
+
+def test_batch_pick_respects_slot_shares_as_single_picks_do() -> None:
+    def build() -> WaitQueue:
+        queue = fair_queue()
+        _heavy_holds(queue, 6, held=2)
+        admit_all(queue, [treq(f"light{i}", "light", at=51 + i) for i in range(1, 5)], now=55)
+        return queue
+
+    batch, single = build(), build()
+    assert [r.id for r in batch.pop(4, 55.0)] == pop_ids(single, 4, now=55.0)
 
 
 def test_full_level_sheds_the_flooding_tenant() -> None:
@@ -456,3 +545,71 @@ def test_picks_match_a_brute_force_vtc(ops: list[tuple[object, ...]], lag: float
             model.leave(victim.tenant)
             queued.remove(victim)
         assert sum(queue.tenant_depths(0).values()) == len(queued)
+
+
+SLOT_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.sampled_from(["a", "b", "c"]), st.integers(0, 1)),
+        st.tuples(st.just("end"), st.none(), st.integers(0, 50)),
+        st.tuples(st.just("cancel"), st.none(), st.integers(0, 50)),
+        st.tuples(st.just("slots"), st.none(), st.integers(1, 8)),
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(SLOT_OPS, st.integers(1, 8), st.integers(0, 40))
+def test_slot_shares_bound_the_over_share_and_idle_no_slot(
+    ops: list[tuple[object, ...]], slots: int, tokens: int
+) -> None:
+    """A dispatcher's loop over a fair queue (two levels, no aging; tenant ``a`` of share
+    2): whenever a slot is free it picks. No tenant at or over its slot share takes a slot
+    while one under its share waits in the level picked, and no slot idles while anything
+    waits. Shares and holdings are counted here, by brute force."""
+    shares = {"a": 2.0, "b": 1.0, "c": 1.0}
+    config = FairnessConfig(lag_tokens=10.0, shares=(("a", 2.0),))
+    queue = fair_queue(fairness=config, levels=2)
+    queue.set_slots(slots)
+    queued: dict[str, Request] = {}
+    running: list[Request] = []
+
+    def dispatch(now: float) -> None:
+        while len(running) < slots and len(queue):
+            held = {t: sum(r.tenant == t for r in running) for t in shares}
+            active = {r.tenant for r in running} | {r.tenant for r in queued.values()}
+            total = sum(shares[t] for t in active)
+            under = {t for t in shares if held[t] < max(1.0, slots * shares[t] / total)}
+            (picked,) = queue.pop(1, now)
+            if picked.tenant not in under:
+                waiting = {r.tenant for r in queued.values() if r.priority == picked.priority}
+                assert not (waiting & under), (picked, held, waiting & under)
+            del queued[picked.id]
+            running.append(picked)
+        assert len(running) >= slots or not len(queue)  # work-conserving
+
+    for index, (op, tenant, number) in enumerate(ops):
+        now = float(index)
+        assert isinstance(number, int | type(None))
+        if op == "admit":
+            assert isinstance(tenant, str)
+            assert isinstance(number, int)
+            request = treq(f"r{index}", tenant, at=now, level=number, tokens=tokens + index % 7)
+            admit_all(queue, [request], now=now)
+            queued[request.id] = request
+        elif op == "end" and running:
+            assert isinstance(number, int)
+            queue.vacate(running.pop(number % len(running)))
+        elif op == "cancel" and queued:
+            assert isinstance(number, int)
+            victim = list(queued)[number % len(queued)]
+            assert queue.cancel(victim) is not None
+            del queued[victim]
+        elif op == "slots":
+            assert isinstance(number, int)
+            slots = number
+            queue.set_slots(slots)
+        dispatch(now)
+        assert {t: int(v["in_flight"]) for t, v in queue.tenants().items() if v["in_flight"]} == {
+            t: n for t in shares if (n := sum(r.tenant == t for r in running))
+        }

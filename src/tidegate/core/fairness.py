@@ -15,6 +15,17 @@ cost estimate, at the input weight: VTC charges the prompt at dispatch), then ``
 completion with the tokens actually served, which replaces the estimate. A request that
 never completes keeps its estimate charged: it held a slot.
 
+Slots (``slots`` > 0, set by the caller: the model's in-flight slots). The counters order
+the queue, but a generation request holds its slot for its whole decode: a tenant that took
+every slot while it was alone keeps them, and a light tenant waits for one to free however
+low its counter. So a tenant also has a *slot share*, ``slot_share(slots, share, active)``:
+``slots x its share / the shares of the active tenants`` (queued or in flight), at least 1.
+A tenant holding fewer slots than its slot share is *under* it; when a slot frees, the
+tenants under their share go before the others, then the least counter among them
+(``under_share``, the caller's pick). Work-conserving: when every waiting tenant is at or
+over its share, the counters alone decide, so a slot never idles while anyone waits. The
+caller counts a tenant's slots: ``occupy`` at a pick, ``vacate`` when its request ends.
+
 Pure: no clock, no I/O. Counters of tenants that are neither backlogged nor above the lift
 floor are forgotten (they would be lifted to the floor anyway), so memory follows the
 number of active tenants, not of every tenant ever seen.
@@ -55,17 +66,29 @@ class FairnessConfig:
         return self.input_weight * input_tokens + self.output_weight * output_tokens
 
 
+def slot_share(slots: int, share: float, active_shares: float) -> float:
+    """A tenant's fair share of ``slots`` in-flight slots: ``slots * share / active_shares``
+    (the shares of the tenants queued or in flight, its own included), at least one slot."""
+    if active_shares <= 0:
+        return float(max(1, slots))
+    return max(1.0, slots * share / active_shares)
+
+
 class VirtualTokenCounters:
-    """Per-tenant counters of weighted tokens served, and which tenants are backlogged."""
+    """Per-tenant counters of weighted tokens served, which tenants are backlogged, and how
+    many slots each holds."""
 
     __slots__ = (
+        "_active_shares",
         "_backlog",
         "_config",
         "_counters",
         "_floor",
+        "_held",
         "_input_weight",
         "_prune_above",
         "_shares",
+        "slots",
     )
 
     def __init__(self, config: FairnessConfig | None = None) -> None:
@@ -76,6 +99,9 @@ class VirtualTokenCounters:
         self._backlog: dict[str, int] = {}  # tenant -> queued requests; present iff > 0
         self._floor = 0.0  # the counter the last backlogged tenant left with
         self._prune_above = _PRUNE_SLACK  # prune once this many counters are kept
+        self._held: dict[str, int] = {}  # tenant -> slots it holds; present iff > 0
+        self._active_shares = 0.0  # sum of the shares of tenants backlogged or holding slots
+        self.slots = 0  # the model's in-flight slots (the caller's); 0: no slot bound
 
     @property
     def config(self) -> FairnessConfig:
@@ -87,6 +113,8 @@ class VirtualTokenCounters:
         queued = self._backlog.get(tenant, 0)
         if queued == 0:
             self._lift(tenant)
+            if tenant not in self._held:
+                self._active_shares += self._shares.get(tenant, 1.0)
         self._backlog[tenant] = queued + 1
 
     def leave(self, tenant: str) -> None:
@@ -96,6 +124,8 @@ class VirtualTokenCounters:
             self._backlog[tenant] = queued
             return
         del self._backlog[tenant]
+        if tenant not in self._held:
+            self._inactive(tenant)
         if not self._backlog:
             self._floor = self._counters.get(tenant, self._floor)
         if len(self._counters) > self._prune_above:
@@ -103,6 +133,44 @@ class VirtualTokenCounters:
 
     def backlogged(self) -> int:
         return len(self._backlog)
+
+    # ------------------------------------------------------------------ slots
+    def occupy(self, tenant: str) -> None:
+        """``tenant`` was given a slot (a pick). Call before its ``leave``."""
+        held = self._held.get(tenant, 0)
+        if held == 0 and tenant not in self._backlog:
+            self._active_shares += self._shares.get(tenant, 1.0)
+        self._held[tenant] = held + 1
+
+    def vacate(self, tenant: str) -> None:
+        """A request of ``tenant`` gave its slot back (ended, failed, or put back in the
+        queue). No-op when it holds none: the caller could not tell whose request ended."""
+        held = self._held.get(tenant, 0)
+        if held > 1:
+            self._held[tenant] = held - 1
+        elif held == 1:
+            del self._held[tenant]
+            if tenant not in self._backlog:
+                self._inactive(tenant)
+
+    def held(self, tenant: str) -> int:
+        """How many slots ``tenant`` holds."""
+        return self._held.get(tenant, 0)
+
+    def slot_share(self, tenant: str) -> float:
+        """``tenant``'s share of ``slots`` among the active tenants (``slot_share``)."""
+        share = self._shares.get(tenant, 1.0)
+        active = self._active_shares
+        if tenant not in self._backlog and tenant not in self._held:
+            active += share  # not active yet: as if it were
+        return slot_share(self.slots, share, active)
+
+    def under_share(self, tenant: str, extra: int = 0) -> bool:
+        """Whether ``tenant``, holding ``extra`` more slots than it does, holds fewer than
+        its slot share; always with no slot bound (``slots`` 0)."""
+        if not self.slots:
+            return True
+        return self._held.get(tenant, 0) + extra < self.slot_share(tenant)
 
     # ------------------------------------------------------------------ charging
     def charge(self, tenant: str, weighted_tokens: float) -> None:
@@ -117,6 +185,18 @@ class VirtualTokenCounters:
         if self._shares:
             weighted /= self._shares.get(tenant, 1.0)
         self._counters[tenant] = self._counters.get(tenant, self._floor) + weighted
+
+    def picked(self, tenant: str, cost_tokens: int) -> None:
+        """A pick of ``tenant``'s request: ``charge_estimate`` and ``occupy`` in one step."""
+        weighted = self._input_weight * cost_tokens
+        if self._shares:
+            weighted /= self._shares.get(tenant, 1.0)
+        counters = self._counters
+        counters[tenant] = counters.get(tenant, self._floor) + weighted
+        held = self._held.get(tenant, 0)
+        if held == 0 and tenant not in self._backlog:
+            self._active_shares += self._shares.get(tenant, 1.0)
+        self._held[tenant] = held + 1
 
     def scaled(self, tenant: str, weighted_tokens: float) -> float:
         """What ``charge(tenant, weighted_tokens)`` adds to the counter: divided by the share."""
@@ -156,18 +236,28 @@ class VirtualTokenCounters:
         return best
 
     def describe(self) -> dict[str, dict[str, float | int]]:
-        """Per tenant: its counter and queued requests (for /stats and ``tidegate explain``)."""
-        tenants = sorted(set(self._counters) | set(self._backlog))
+        """Per tenant: its counter, queued requests, slots held and slot share (for /admin
+        and ``tidegate explain``)."""
+        tenants = sorted(set(self._counters) | set(self._backlog) | set(self._held))
         return {
             tenant: {
                 "counter": round(self.counter(tenant), 1),
                 "queued": self._backlog.get(tenant, 0),
                 "share": self._shares.get(tenant, 1.0),
+                "in_flight": self._held.get(tenant, 0),
+                "slot_share": round(self.slot_share(tenant), 1) if self.slots else 0.0,
             }
             for tenant in tenants
         }
 
     # ------------------------------------------------------------------ internals
+    def _inactive(self, tenant: str) -> None:
+        """``tenant`` neither waits nor holds a slot any more: its share leaves the sum."""
+        if self._backlog or self._held:
+            self._active_shares -= self._shares.get(tenant, 1.0)
+        else:
+            self._active_shares = 0.0  # nobody active: no float drift carried over
+
     def _lift(self, tenant: str) -> None:
         if self._backlog:
             floor = min(self._counters.get(other, self._floor) for other in self._backlog)

@@ -28,6 +28,13 @@ one tenant in the level, the level keeps no per-tenant FIFOs and the pick is the
 pick charges the tenant its request's estimate; ``settle`` corrects that with the tokens
 served. With fair sharing, admission sheds by tenant too (``admit``).
 
+Slot shares (fair sharing, ``set_slots``): a pick also gives its tenant a slot, until the
+caller says the request ended (``vacate``) or puts it back (``requeue``). Inside the level,
+the tenants under their slot share (core.fairness: slots x share / active shares, at least
+1) go before those at or over it, then the least counter; when none is under, the counters
+alone decide, so a pick never returns nothing while the level waits (work-conserving). The
+aged head keeps its exception above: aging's bound on the wait comes first.
+
 Invariants:
 - every admitted request leaves exactly once: popped, shed, expired or cancelled;
 - ``len(queue) <= max_size`` and ``depth(level) <= level.max_size`` after every admission
@@ -431,10 +438,25 @@ class WaitQueue:
             raise ValueError(f"request {request.id} is already queued")
         spec = self.config.levels[level]
         deadline_at = _earliest(request.deadline_at, spec.timeout_s, request.arrival_at)
-        if self.fair is not None:  # not served after all: its pick's charge is refunded
-            self.fair.charge(request.tenant, -self.fair.estimate(request.cost_tokens))
+        fair = self.fair
+        if fair is not None:  # not served after all: its pick's charge is refunded
+            fair.charge(request.tenant, -fair.estimate(request.cost_tokens))
         self._insert(request, deadline_at)
+        if fair is not None:  # and its slot given back, once it is in the backlog again
+            fair.vacate(request.tenant)
         self._tally[level][_QUEUED] += 1
+
+    def set_slots(self, slots: int) -> None:
+        """Fair sharing's slot bound: the model's in-flight slots now (its ready replicas'
+        slots together); 0: none (the counters alone order tenants). No-op without fairness."""
+        if self.fair is not None:
+            self.fair.slots = slots
+
+    def vacate(self, request: Request) -> None:
+        """``request``, picked before, gave its slot back (it ended, or failed): its tenant
+        holds one slot less (no-op without fairness). ``requeue`` does this itself."""
+        if self.fair is not None:
+            self.fair.vacate(request.tenant)
 
     def settle(self, request: Request, input_tokens: int, output_tokens: int) -> None:
         """``request`` completed having been served these tokens: its tenant's counter is
@@ -471,8 +493,8 @@ class WaitQueue:
         chosen = self._select(n, now, max_tokens, levels)
         fair = self.fair
         for entry in chosen:
-            if fair is not None:
-                fair.charge_estimate(entry.request.tenant, entry.request.cost_tokens)
+            if fair is not None:  # charged and holding a slot before it leaves the backlog
+                fair.picked(entry.request.tenant, entry.request.cost_tokens)
             self._remove(entry)  # (fair sharing: the tenant leaves the backlog there)
             self._tally[entry.request.priority][_DISPATCHED] += 1
         # Picked entries were at the fronts of their FIFOs: drop them now, so dead entries
@@ -765,7 +787,7 @@ class WaitQueue:
         if self.fair is not None and not best_aged:
             fifos = self._tenant_fifos[best.request.priority]
             if fifos is not None and len(fifos) > 1:
-                return [self._least_served_head(fifos, frozenset(), {})]
+                return [self._least_served_head(fifos, frozenset(), {}, {})]
         return [best]
 
     def _least_served_head(
@@ -773,21 +795,30 @@ class WaitQueue:
         fifos: dict[str, deque[_Entry]],
         taken: frozenset[int] | set[int],
         extra: dict[str, float],
+        extra_held: dict[str, int],
     ) -> _Entry:
-        """The oldest request of the level's least-served tenant (ties: the earlier head).
+        """The oldest request of the level's least-served tenant among those under their
+        slot share, else among all (ties: the earlier head).
 
-        ``taken`` (seqs) and ``extra`` (counter increments) are a batch pick's own choices
-        so far: ``_select_fair``.
+        ``taken`` (seqs), ``extra`` (counter increments) and ``extra_held`` (slots) are a
+        batch pick's own choices so far: ``_select_fair``.
         """
-        assert self.fair is not None
-        counter = self.fair.counter
+        fair = self.fair
+        assert fair is not None
+        counter = fair.counter
+        under_share = fair.under_share
         best: _Entry | None = None
-        best_key: tuple[float, float, int] | None = None
+        best_key: tuple[bool, float, float, int] | None = None
         for tenant, fifo in fifos.items():
             head = fifo[0] if not taken else _first_untaken(fifo, taken)
             if head is None:
                 continue
-            key = (counter(tenant) + extra.get(tenant, 0.0), head.request.arrival_at, head.seq)
+            key = (
+                not under_share(tenant, extra_held.get(tenant, 0)),  # under its share first
+                counter(tenant) + extra.get(tenant, 0.0),
+                head.request.arrival_at,
+                head.seq,
+            )
             if best_key is None or key < best_key:
                 best, best_key = head, key
         assert best is not None  # the level head itself is one of them
@@ -804,6 +835,7 @@ class WaitQueue:
         served = None if levels is None else _as_set(levels)
         taken: set[int] = set()
         extra: dict[str, float] = {}
+        extra_held: dict[str, int] = {}
         chosen: list[_Entry] = []
         tokens = 0
         while len(chosen) < n:
@@ -836,7 +868,7 @@ class WaitQueue:
                 break
             fifos = self._tenant_fifos[best.request.priority]
             if not best_aged and fifos is not None and len(fifos) > 1:
-                best = self._least_served_head(fifos, taken, extra)
+                best = self._least_served_head(fifos, taken, extra, extra_held)
             cost = best.request.cost_tokens
             if max_tokens is not None and chosen and tokens + cost > max_tokens:
                 break
@@ -845,6 +877,7 @@ class WaitQueue:
             tokens += cost
             tenant = best.request.tenant
             extra[tenant] = extra.get(tenant, 0.0) + fair.scaled(tenant, fair.estimate(cost))
+            extra_held[tenant] = extra_held.get(tenant, 0) + 1
         return chosen
 
     def _targets(self, levels: Iterable[int] | None) -> list[int]:
