@@ -1,20 +1,29 @@
 """Tenants through the real HTTP path: the key's name, or a header only when the operator
-trusts one; a bad header value is a 400; the answer's usage settles the tenant's counter."""
+trusts one; a bad header value is a 400; the answer's usage settles the tenant's counter;
+the dispatcher bounds each tenant's share of the slots."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from tests.gateway.harness import flat_profile, gateway_client, sim_config, sim_worker
-from tidegate.gateway.dispatcher import _usage
+from tidegate.core.fairness import FairnessConfig
+from tidegate.core.queue import QueueConfig
+from tidegate.core.request import Request
+from tidegate.core.routing import PoolSpec
+from tidegate.gateway.dispatcher import ModelDispatcher, Ticket, _usage
+from tidegate.gateway.replicas import Replica, ReplicaState
 from tidegate.gateway.state import Gateway
+from tidegate.metrics import GatewayMetrics
 
 LIGHT, HEAVY = "sk-light", "sk-heavy"
 KEYS = [
@@ -109,3 +118,34 @@ async def test_without_fair_sharing_the_queue_keeps_no_counters(tmp_path: Path) 
 )
 def test_answer_usage_parsed(body: bytes, expected: tuple[int, int] | None) -> None:
     assert _usage(body) == expected
+
+
+@pytest.mark.parametrize("named", [True, False])
+@pytest.mark.asyncio
+async def test_a_freed_slot_goes_to_the_tenant_under_its_slot_share(named: bool) -> None:
+    """4 slots: light holds 1, heavy 3 (over its share of 2) and has a lower counter; a slot
+    frees: light's waiting request takes it. A release that does not name its request
+    frees the oldest dispatched to that replica (light's, here)."""
+    metrics = GatewayMetrics(CollectorRegistry())
+    replica = Replica("r0", "sim", "shared", "upstream", "http://unused", ReplicaState.READY, 4)
+    queue = QueueConfig(fairness=FairnessConfig(lag_tokens=0.0))
+    pools = {"shared": PoolSpec("shared", frozenset({0, 1, 2}))}
+    dispatcher = ModelDispatcher("sim", queue, pools, [replica], metrics)
+
+    def submit(rid: str, tenant: str) -> Ticket:
+        return dispatcher.submit(Request(rid, "sim", 0, time.monotonic(), tenant=tenant))
+
+    light_old = submit("light-old", "light")
+    heavy = [submit(f"heavy{i}", "heavy") for i in range(6)]
+    assert [t.assigned.done() for t in heavy] == [True] * 3 + [False] * 3
+    # light was served 500 tokens: its counter is far above heavy's
+    dispatcher.settle(light_old.request, b'{"usage": {"prompt_tokens": 500}}')
+    light = submit("light0", "light")
+    assert dispatcher.describe_tenants()["slots"] == 4
+    dispatcher.release(replica, request=heavy[0].request if named else None)
+    assert light.assigned.done()
+    assert not heavy[3].assigned.done()
+    tenants = dispatcher.queue.tenants()
+    assert (tenants["light"]["in_flight"], tenants["heavy"]["in_flight"]) == (
+        (2, 2) if named else (1, 3)
+    )

@@ -1,5 +1,6 @@
 """Fair sharing in the simulator: workload tenants reach the core queue, and a flooding
-tenant does not delay a light one under VTC as it does first come, first served."""
+tenant does not delay a light one under VTC as it does first come, first served, nor keep
+the sequence slots it took beyond its share when a light one waits."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 
 from tidegate.sim.run import Scenario, Simulation
 from tidegate.sim.traces import open_trace
-from tidegate.sim.workload import Arrival, Limited
+from tidegate.sim.workload import Arrival, Limited, Listed
 
-from .conftest import FIXTURES, config_of, flat_batch_service, run_records
+from .conftest import FIXTURES, config_of, flat_batch_service, flat_step_service, run_records
 
 
 def _data(fair: bool) -> dict[str, Any]:
@@ -62,3 +63,58 @@ def test_per_client_trace_tenants_reach_the_queue() -> None:
     simulation = Simulation(scenario)
     simulation.run()
     assert set(simulation.gateway.queue.tenants()) == tenants
+
+
+def _generation(fair: bool) -> dict[str, Any]:
+    return {
+        "models": [
+            {
+                "name": "m",
+                "task": "generate",
+                "engine": "simulated",
+                "replicas": 1,
+                "batching": {"max_num_seqs": 4},
+            }
+        ],
+        "tenancy": {"fair_sharing": fair},
+    }
+
+
+# At t=0: light's long request (4,000 prompt tokens: its counter is far above heavy's) and
+# heavy's ten; the 4 sequence slots go to light 1, heavy 3. At t=0.5 light's short one.
+GENERATION = [Arrival(0.0, 4000, 200, None, "light")] + [
+    Arrival(0.001 * (i + 1), 10, 200, None, "heavy") for i in range(10)
+]
+GENERATION.append(Arrival(0.5, 10, 5, None, "light"))
+SHORT, HEAVY_NEXT = str(len(GENERATION) - 1), "4"  # light's short one, heavy's 4th
+
+
+@pytest.mark.parametrize(("slot_shares", "first"), [(True, SHORT), (False, HEAVY_NEXT)])
+def test_a_freed_sequence_slot_goes_to_the_tenant_under_its_share(
+    slot_shares: bool, first: str
+) -> None:
+    """Light's long request ends first (t=2.0), freeing one slot: heavy holds 3, over its
+    share of 2, so light's short request takes it, though heavy's counter is lower; without
+    slot shares heavy's counter takes it. Every slot is given back at the end."""
+    scenario = Scenario(
+        config_of(_generation(True)),
+        "m",
+        flat_step_service(10.0),
+        Listed("test", GENERATION),
+        {"shared": 1},
+        keep_requests=True,
+    )
+    simulation = Simulation(scenario)
+    simulation.gateway.slot_shares = slot_shares
+    result = simulation.run()
+    assert result.recorder.requests is not None
+    records = {record.id: record for record in result.recorder.requests}
+    assert all(record.outcome == "completed" for record in records.values())
+    dispatched_at = {
+        rid: GENERATION[int(rid)].arrival_s + (records[rid].wait_s or 0.0)
+        for rid in (SHORT, HEAVY_NEXT)
+    }
+    assert min(dispatched_at, key=dispatched_at.__getitem__) == first
+    assert dispatched_at[first] == pytest.approx(2.0, abs=0.005)
+    tenants = simulation.gateway.queue.tenants()
+    assert all(tenant["in_flight"] == 0 for tenant in tenants.values())

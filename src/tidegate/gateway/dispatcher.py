@@ -18,7 +18,11 @@ when one returns.
 
 Fair sharing (``tenancy.fair_sharing``): the queue picks inside a level by tenant (core.fairness);
 a pick charges the request's token estimate, and ``settle`` replaces it with the answer's
-``usage`` once a non-streamed answer is complete (a stream keeps its estimate).
+``usage`` once a non-streamed answer is complete (a stream keeps its estimate). Each dispatch
+tells the queue the ready replicas' slots (``set_slots``), and a pick holds a slot of its
+tenant's share until ``release`` (``WaitQueue.vacate``). A release that does not name its
+request (``request=None``) frees the slot of the oldest request dispatched to that replica
+that is still there: exact with one slot per replica, a guess by dispatch order otherwise.
 
 No ready replica: a request is still admitted and waits (bounded by its level's queue
 timeout, 504 after) while one is coming (starting, warming, being restarted, or cold-started
@@ -34,6 +38,7 @@ import dataclasses
 import itertools
 import json
 import logging
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -83,6 +88,10 @@ class ModelDispatcher:
         self.outliers = outliers or OutlierConfig()  # when a failing replica is ejected
         self.on_release = on_release  # tells a draining gateway that work finished
         self.queue = WaitQueue(queue)
+        self._fair = self.queue.fair is not None
+        # Fair sharing: per replica id, the tenants of the requests dispatched there and not
+        # yet released, oldest first (whose slot an unnamed release frees).
+        self._holders: dict[str, deque[str]] = {}
         self.pools = pools
         self.replicas = replicas  # live: the orchestrator adds and changes them
         self.metrics = metrics
@@ -193,15 +202,37 @@ class ModelDispatcher:
             return
         assigned = ticket.assigned
         if assigned.done() and not assigned.cancelled() and assigned.exception() is None:
-            self.release(assigned.result(), completed=False)
+            self.release(assigned.result(), completed=False, request=ticket.request)
 
-    def release(self, replica: Replica, *, completed: bool = True) -> None:
-        """A dispatched request finished (or failed): its slot is free again."""
+    def release(
+        self, replica: Replica, *, completed: bool = True, request: Request | None = None
+    ) -> None:
+        """A dispatched request (``request``, when the caller names it) finished or failed:
+        its slot is free again."""
         replica.in_flight -= 1
         if completed:
             self.queue.drain.record(self.clock.now())
+        fair = self.queue.fair
+        if fair is not None:
+            tenant = self._unhold(replica, request)
+            if tenant is not None:
+                fair.vacate(tenant)
         self._dispatch(self.clock.now())
         self._notify()
+
+    def _unhold(self, replica: Replica, request: Request | None) -> str | None:
+        """Fair sharing: the tenant whose slot on ``replica`` a release frees (the module
+        docstring); None when none is recorded there."""
+        holders = self._holders.get(replica.id)
+        if not holders:
+            return None
+        if request is None or request.tenant == holders[0]:
+            return holders.popleft()
+        try:
+            holders.remove(request.tenant)
+        except ValueError:
+            return holders.popleft()
+        return request.tenant
 
     def settle(self, request: Request, body: bytes | None) -> None:
         """A completed answer's ``usage`` (prompt and completion tokens) settles its tenant's
@@ -218,6 +249,7 @@ class ModelDispatcher:
         fair = self.queue.fair
         return {
             "fair_sharing": fair is not None,
+            "slots": 0 if fair is None else fair.slots,
             "tenants": self.queue.tenants(),
         }
 
@@ -261,6 +293,8 @@ class ModelDispatcher:
         replica whose node went refuses every connection until it is replaced).
         """
         failed.in_flight -= 1
+        if self._fair:
+            self._unhold(failed, ticket.request)  # requeue gives its tenant's slot back
         request = dataclasses.replace(ticket.request, attempt=ticket.request.attempt + 1)
         self.queue.requeue(request, self.clock.now())
         again = Ticket(request, prefix_key=ticket.prefix_key)
@@ -305,6 +339,8 @@ class ModelDispatcher:
             for view in routable_views((r.view() for r in self.replicas), ejected, self.pools)
         }
         by_id = {replica.id: replica for replica in self.replicas}
+        if self._fair:  # fair sharing's slot shares are of the slots ready now
+            self.queue.set_slots(sum(view.slots for view in views.values() if view.ready))
         levels: frozenset[int] = frozenset()
         while len(self.queue):
             levels = servable_levels(views.values(), self.pools)
@@ -332,6 +368,8 @@ class ModelDispatcher:
             assert view is not None  # a servable level has an eligible replica
             replica = by_id[view.id]
             replica.in_flight += 1
+            if self._fair:
+                self._holders.setdefault(replica.id, deque()).append(request.tenant)
             views[replica.id] = replica.view()
             ticket.assigned_at = now
             ticket.assigned.set_result(replica)

@@ -16,7 +16,9 @@ Mirrors ``tidegate.gateway.dispatcher`` step by step, with the kernel's clock:
   ``slots``;
 - release: a finished request frees its slot and feeds the queue's ``DrainRate``; a completed
   one's tokens settle its tenant's fair-share counter (``WaitQueue.settle``), as the
-  dispatcher's ``release`` does with an answer's usage;
+  dispatcher's ``release`` does with an answer's usage; with fair sharing each one's tenant
+  gives its slot back (``WaitQueue.vacate``), and a dispatch tells the queue the ready slots
+  (``set_slots``: fair sharing's slot shares), as the dispatcher does;
 - prefix affinity (``affinity`` set, ``core.prefix``): ``pick_replica`` gets the ticket's
   ``prefix_key`` (the leading blocks of its prompt), as the dispatcher passes the key the
   gateway computed from the request.
@@ -115,6 +117,9 @@ class SimGateway:
         self.on_demand: Callable[[], None] | None = None
         self._choices = itertools.count()
         self.num_dispatched = 0  # progress, for the run's guard against a queue that is stuck
+        # Fair sharing's slot shares (core.fairness); False: the counters alone, as before
+        # them (a benchmark's side-by-side; the gateway always bounds them).
+        self.slot_shares = True
 
     # ------------------------------------------------------------------ requests
     def submit(self, ticket: Ticket) -> None:
@@ -147,19 +152,20 @@ class SimGateway:
         self.on_demand()
         return True
 
-    def release(
-        self, replica_id: str, count: int, completed: bool, served: Sequence[Ticket] = ()
-    ) -> None:
-        """``count`` requests on ``replica_id`` finished now: free their slots, dispatch.
+    def release(self, replica_id: str, tickets: Sequence[Ticket], completed: bool) -> None:
+        """``tickets`` on ``replica_id`` finished now: free their slots, dispatch.
 
-        ``served``: the completed ones, whose tokens settle their tenants' counters.
+        When ``completed``, their tokens settle their tenants' counters.
         """
-        self.replicas.free(replica_id, count)
+        self.replicas.free(replica_id, len(tickets))
+        queue = self.queue
         if completed:
-            self.queue.drain.record(self.kernel.time, count)
-        if self.queue.fair is not None:
-            for ticket in served:
-                self.queue.settle(ticket.request, ticket.prompt_tokens, ticket.output_tokens)
+            queue.drain.record(self.kernel.time, len(tickets))
+        if queue.fair is not None:
+            for ticket in tickets:
+                if completed:
+                    queue.settle(ticket.request, ticket.prompt_tokens, ticket.output_tokens)
+                queue.vacate(ticket.request)
         self.dispatch(self.kernel.time)
 
     def retry(self, tickets: Sequence[Ticket], replica_id: str) -> None:
@@ -216,6 +222,8 @@ class SimGateway:
         occupy = self.replicas.occupy
         choices = self._choices
         affinity = self.affinity
+        if queue.fair is not None and self.slot_shares:
+            queue.set_slots(sum(view.slots for view in views.values() if view.ready))
         while len(queue):
             levels = servable_levels(views.values(), pools)
             if not levels:

@@ -397,7 +397,7 @@ class Simulation:
                 now,
                 ticket.output_tokens,
             )
-        self.gateway.release(replica_id, len(tickets), completed=True, served=tickets)
+        self.gateway.release(replica_id, tickets, completed=True)
 
     def refused(self, replica_id: str, ticket: Ticket) -> None:
         self.abandoned(replica_id, [ticket])
@@ -414,4 +414,4 @@ class Simulation:
         for ticket in tickets:
             wait = ticket.dispatched_at - ticket.request.arrival_at
             self.recorder.ended(ticket.klass, "failed", ticket.request.id, now, wait)
-        self.gateway.release(replica_id, len(tickets), completed=False)
+        self.gateway.release(replica_id, tickets, completed=False)
