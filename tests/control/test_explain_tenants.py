@@ -32,3 +32,35 @@ def test_least_served_first_with_shares_and_the_anonymous_tenant() -> None:
         "  acme: 1,200.5 virtual tokens, 2 queued, share 2",
         "  heavy: 5,000.0 virtual tokens, 900 queued",
     ]
+
+
+def test_slot_shares_shown_with_the_slots() -> None:
+    text = format_tenants(
+        "m",
+        {
+            "fair_sharing": True,
+            "slots": 64,
+            "tenants": {
+                "heavy": {
+                    "counter": 5000.0,
+                    "queued": 900,
+                    "share": 1.0,
+                    "in_flight": 60,
+                    "slot_share": 32.0,
+                },
+                "light": {
+                    "counter": 10.0,
+                    "queued": 1,
+                    "share": 1.0,
+                    "in_flight": 4,
+                    "slot_share": 32.0,
+                },
+            },
+        },
+    )
+    lines = text.splitlines()
+    assert "(of 64)" in lines[1]
+    assert lines[2:] == [
+        "  light: 10.0 virtual tokens, 1 queued, 4 in flight of a slot share of 32",
+        "  heavy: 5,000.0 virtual tokens, 900 queued, 60 in flight of a slot share of 32",
+    ]

@@ -45,16 +45,25 @@ def format_tenants(model: str, described: dict[str, Any]) -> str:
     tenants = described.get("tenants", {})
     if not tenants:
         return f"{model}: fair sharing on; no tenant served yet"
+    slots = described.get("slots", 0)
     lines = [
         f"{model}: fair sharing on: inside a level, the backlogged tenant with the least "
         "virtual tokens served goes next"
     ]
+    if slots:
+        lines.append(
+            f"  a freed slot (of {slots}) goes first to a waiting tenant holding fewer than "
+            "its slot share"
+        )
     ordered = sorted(tenants.items(), key=lambda item: (item[1]["counter"], item[0]))
     for tenant, state in ordered:
         share = f", share {state['share']:g}" if state.get("share", 1.0) != 1.0 else ""
+        held = ""
+        if slots and "in_flight" in state:
+            held = f", {state['in_flight']} in flight of a slot share of {state['slot_share']:g}"
         lines.append(
             f"  {tenant or '(anonymous)'}: {state['counter']:,.1f} virtual tokens, "
-            f"{state['queued']} queued{share}"
+            f"{state['queued']} queued{held}{share}"
         )
     return "\n".join(lines)
 
