@@ -3,7 +3,10 @@
 Two tenants send to the same priority level. The light one keeps below its fair share (half
 the capacity, with two tenants); the heavy one floods at 10x its share. Target (issue 16):
 the light tenant's p99 with the flood is at most 2x its p99 alone, and the total throughput
-with VTC is within 5% of FIFO's. Each half prints PASS/MISS.
+with VTC is within 5% of FIFO's. Each half prints PASS/MISS. VTC runs with its slot shares
+(a tenant at or over slots x share / active shares waits for a free slot while one under
+its share waits: core.fairness), and in the simulator also without them ("counters only"),
+side by side: the order before slot shares.
 
 1. Simulator, ServeGen per-client arrivals: two clients of ``language/m-mid`` (``--light``,
    ``--heavy``; their 600 s windows' rates and Weibull/Gamma gaps, ``--speedup`` times
@@ -11,22 +14,26 @@ with VTC is within 5% of FIFO's. Each half prints PASS/MISS.
    bench_sim (llama2-70b on A100 TP8, splitwise-sim's perf model, ``--replicas``). The
    capacity is measured first (the heavy client alone at 20x overload: completions per
    second); then the light client is offered ``--light-share`` of its fair share and the
-   heavy one 10x its fair share. Runs: light alone; light + heavy under FIFO; under VTC.
-   Latency: end-to-end per request (queue wait included), by tenant.
+   heavy one 10x its fair share. Runs: light alone; light + heavy under FIFO; under VTC
+   with counters only; under VTC with slot shares. Latency: end-to-end per request (queue
+   wait included) and TTFT, by tenant; TTFT also of the arrivals after the first
+   ``--warmup-s`` (the flood takes every slot at the start, before the light one sends).
 0. Single-tenant cost: bench_queue's pick loop (pre-filled to a depth, then submit one, pick
    one, each pick timed alone) on a WaitQueue without fair sharing and on one with it, every
    request of the one anonymous tenant, in alternating rounds (ABAB...). Target: with fair
    sharing on, the single-tenant pick p50 and p99 within 10% of without (the fast path).
-2. Real gateway: ``tidegate serve`` with a simulated embeddings engine (one replica, one
-   request at a time, fixed service time), tenants ``light`` and ``heavy`` named by the
+2. Real gateway: ``tidegate serve`` with a simulated embeddings engine (one replica,
+   ``--gateway-slots`` requests at a time in batches of up to as many, a fixed service time
+   per batch), tenants ``light`` and ``heavy`` named by the
    trusted header ``X-Tenant`` (``tenancy.header``), loadgen's open-loop clients
    (benchmarks/loadgen.py): light alone, then light + heavy under FIFO and under VTC
    (``tenancy.fair_sharing``), one gateway each.
 
-Run (about 3 minutes on 2 cores; ``--quick``: shorter runs, sim only):
+Run (about 7 minutes on 2 cores; ``--quick``: shorter runs, sim only):
     .venv/bin/python benchmarks/bench_fairness.py [--quick] [--no-gateway] [--json out.json]
-        [--verdict v.json]
-Prints markdown tables and PASS/MISS lines; always exits 0.
+        [--verdict v.json] [--gateway-slots N --service-ms MS]
+Prints markdown tables, PASS/MISS lines and NOTE lines (slot shares before -> after, same
+run); always exits 0.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ FLOOD = 10.0  # the heavy tenant's offered load, in multiples of its fair share
 P99_RATIO_TARGET = 2.0
 THROUGHPUT_TOLERANCE = 0.05
 TENANCY_ON = "tenancy:\n  fair_sharing: true\n"
+VTC_COUNTERS = "vtc, counters only"  # VTC without slot shares: the order before them
 
 
 @dataclass
@@ -79,6 +87,7 @@ class SimRow:
     light_p99_s: float
     light_ttft_p50_s: float
     light_ttft_p99_s: float
+    light_ttft_p99_late_s: float  # arrivals after the warm-up
     heavy_completed: int
     heavy_p99_s: float
     throughput_per_s: float
@@ -121,12 +130,20 @@ def simulate(
     tenants: list[tuple[str, list[Segment]]],
     args: argparse.Namespace,
     label: str,
+    slot_shares: bool = True,
 ) -> tuple[
-    dict[str, list[float]], dict[str, list[float]], dict[str, int], dict[str, int], float, float
+    dict[str, list[float]],
+    dict[str, list[float]],
+    dict[str, list[float]],
+    dict[str, int],
+    dict[str, int],
+    float,
+    float,
 ]:
-    """Per tenant: e2e latencies and TTFTs of completed requests, arrivals, completions; and
-    the throughput while arrivals last (``--duration-s``, not the drain after): requests
-    and output tokens completed in that window, per second."""
+    """Per tenant: e2e latencies and TTFTs of completed requests, TTFTs of those that arrived
+    after the warm-up, arrivals, completions; and the throughput while arrivals last
+    (``--duration-s``, not the drain after): requests and output tokens completed in that
+    window, per second. ``slot_shares``: fair sharing's slot shares (False: counters only)."""
     folder = Path(tempfile.mkdtemp(prefix="bench_fairness_"))
     (folder / "llama70b.yaml").write_text(config_text)
     config = load_config(str(folder / "llama70b.yaml"))
@@ -143,9 +160,12 @@ def simulate(
         label=label,
         keep_requests=True,
     )
-    result = Simulation(scenario).run()
+    simulation = Simulation(scenario)
+    simulation.gateway.slot_shares = slot_shares
+    result = simulation.run()
     latencies: dict[str, list[float]] = {name: [] for name, _ in tenants}
     ttfts: dict[str, list[float]] = {name: [] for name, _ in tenants}
+    late: dict[str, list[float]] = {name: [] for name, _ in tenants}
     offered: dict[str, int] = dict.fromkeys(latencies, 0)
     completed: dict[str, int] = dict.fromkeys(latencies, 0)
     for tenant in tenant_of.values():
@@ -160,11 +180,15 @@ def simulate(
                 window_tokens += arrival.output_tokens
             tenant = tenant_of[record.id]
             latencies[tenant].append(record.e2e_s)
-            ttfts[tenant].append(record.ttft_s if record.ttft_s is not None else math.nan)
+            ttft = record.ttft_s if record.ttft_s is not None else math.nan
+            ttfts[tenant].append(ttft)
+            if arrival.arrival_s >= args.warmup_s:
+                late[tenant].append(ttft)
             completed[tenant] += 1
     return (
         latencies,
         ttfts,
+        late,
         offered,
         completed,
         window_done / args.duration_s,
@@ -183,7 +207,7 @@ def sim_rows(args: argparse.Namespace) -> list[SimRow]:
     # Capacity: the heavy client alone at an overload no fleet of this size keeps up with
     # (completions per second while it lasts).
     probe = client_segments(heavy_path, args.start_s, duration, args.speedup, 50.0 * args.replicas)
-    _, _, _, _, capacity, _ = simulate(fifo_config, [("heavy", probe)], args, "capacity")
+    _, _, _, _, _, capacity, _ = simulate(fifo_config, [("heavy", probe)], args, "capacity")
     share = capacity / 2  # two tenants, equal shares
     light_rate = args.light_share * share
     heavy_rate = FLOOD * share
@@ -195,13 +219,15 @@ def sim_rows(args: argparse.Namespace) -> list[SimRow]:
     light = client_segments(light_path, args.start_s, duration, args.speedup, light_rate)
     heavy = client_segments(heavy_path, args.start_s, duration, args.speedup, heavy_rate)
     rows = []
-    for run, policy, config_text, tenants in (
-        ("light alone", "fifo", fifo_config, [("light", light)]),
-        ("light + heavy", "fifo", fifo_config, [("light", light), ("heavy", heavy)]),
-        ("light + heavy", "vtc", vtc_config, [("light", light), ("heavy", heavy)]),
+    both = [("light", light), ("heavy", heavy)]
+    for run, policy, config_text, tenants, slot_shares in (
+        ("light alone", "fifo", fifo_config, [("light", light)], True),
+        ("light + heavy", "fifo", fifo_config, both, True),
+        ("light + heavy", VTC_COUNTERS, vtc_config, both, False),
+        ("light + heavy", "vtc", vtc_config, both, True),
     ):
-        latencies, ttfts, offered, completed, throughput, tokens = simulate(
-            config_text, tenants, args, f"{run} {policy}"
+        latencies, ttfts, late, offered, completed, throughput, tokens = simulate(
+            config_text, tenants, args, f"{run} {policy}", slot_shares
         )
         rows.append(
             SimRow(
@@ -215,6 +241,7 @@ def sim_rows(args: argparse.Namespace) -> list[SimRow]:
                 percentile(latencies["light"], 0.99),
                 percentile(ttfts["light"], 0.50),
                 percentile(ttfts["light"], 0.99),
+                percentile(late["light"], 0.99),
                 completed.get("heavy", 0),
                 percentile(latencies.get("heavy", []), 0.99),
                 throughput,
@@ -228,16 +255,16 @@ def sim_rows(args: argparse.Namespace) -> list[SimRow]:
 def sim_table(rows: list[SimRow]) -> str:
     lines = [
         "| run | policy | light req/s | heavy req/s | light done / sent | light e2e p50 s | "
-        "light e2e p99 s | light TTFT p50 s | light TTFT p99 s | heavy done | heavy e2e p99 s "
-        "| total req/s | total output tok/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "light e2e p99 s | light TTFT p50 s | light TTFT p99 s | light TTFT p99 after warm-up s "
+        "| heavy done | heavy e2e p99 s | total req/s | total output tok/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.run} | {r.policy} | {r.light_offered_per_s:.2f} | "
             f"{r.heavy_offered_per_s:.2f} | {r.light_completed:,} / {r.light_requests:,} | "
             f"{r.light_p50_s:.2f} | {r.light_p99_s:.2f} | {r.light_ttft_p50_s:.2f} | "
-            f"{r.light_ttft_p99_s:.2f} | {r.heavy_completed:,} | "
+            f"{r.light_ttft_p99_s:.2f} | {r.light_ttft_p99_late_s:.2f} | {r.heavy_completed:,} | "
             f"{r.heavy_p99_s:.2f} | {r.throughput_per_s:.3f} | {r.output_tokens_per_s:,.0f} |"
         )
     return "\n".join(lines)
@@ -271,6 +298,26 @@ def verdicts(
             f"{fifo_throughput:.3f} ({change * 100:+.1f}%, target within "
             f"{THROUGHPUT_TOLERANCE * 100:g}%)",
         ),
+    ]
+
+
+def slot_share_notes(solo: SimRow, counters: SimRow, vtc: SimRow) -> list[str]:
+    """Before and after slot shares, same run: the light tenant's TTFT p99 and e2e p99 over
+    solo, and the throughput (informative: the verdicts are on VTC with slot shares)."""
+
+    def ratio(value: float, base: float) -> str:
+        return f"{value:.2f} s = {value / base:.2f}x" if base > 0 else f"{value:.2f} s"
+
+    return [
+        f"sim, slot shares before -> after: light TTFT p99 "
+        f"{ratio(counters.light_ttft_p99_s, solo.light_ttft_p99_s)} -> "
+        f"{ratio(vtc.light_ttft_p99_s, solo.light_ttft_p99_s)} solo; after the "
+        f"warm-up: {ratio(counters.light_ttft_p99_late_s, solo.light_ttft_p99_late_s)} -> "
+        f"{ratio(vtc.light_ttft_p99_late_s, solo.light_ttft_p99_late_s)}; e2e p99 "
+        f"{ratio(counters.light_p99_s, solo.light_p99_s)} -> "
+        f"{ratio(vtc.light_p99_s, solo.light_p99_s)}; req/s {counters.throughput_per_s:.3f}"
+        f" -> {vtc.throughput_per_s:.3f}; output tok/s {counters.output_tokens_per_s:,.0f} -> "
+        f"{vtc.output_tokens_per_s:,.0f}",
     ]
 
 
@@ -381,9 +428,10 @@ class GatewayRow:
     throughput_per_s: float
 
 
-def gateway_config(profile: Path, fair: bool) -> dict[str, object]:
-    """One simulated embeddings replica that serves one request at a time (``--service-ms``
-    each): the backlog waits in the gateway's queue, where the policy applies."""
+def gateway_config(profile: Path, fair: bool, slots: int) -> dict[str, object]:
+    """One simulated embeddings replica that serves ``slots`` requests at a time, in batches
+    of up to as many (``--service-ms`` each batch): the backlog waits in the gateway's
+    queue, where the policy applies."""
     config: dict[str, object] = {
         "models": [
             {
@@ -392,8 +440,8 @@ def gateway_config(profile: Path, fair: bool) -> dict[str, object]:
                 "engine": "simulated",
                 "profile": str(profile),
                 "replicas": 1,
-                "slots": 1,
-                "batching": {"max_batch_size": 1, "batch_window_ms": 0},
+                "slots": slots,
+                "batching": {"max_batch_size": slots, "batch_window_ms": 0},
             }
         ],
         # An open service: the tenant is a header the operator trusts (as a proxy in
@@ -414,7 +462,8 @@ def gateway_run(
     headers = {name: {"X-Tenant": name} for name in ("light", "heavy")}
     payloads = loadgen.embedding_bodies("sim", loadgen.sentences(256))
     name = f"{policy}-{'+'.join(rates)}"
-    serve = loadgen.start_serve(name, logdir, gateway_config(profile, policy == "vtc"), "sim")
+    config = gateway_config(profile, policy == "vtc", args.gateway_slots)
+    serve = loadgen.start_serve(name, logdir, config, "sim")
     with loadgen.running(serve):
         loop = asyncio.run(
             loadgen.open_loop(
@@ -464,12 +513,13 @@ def gateway_rows(args: argparse.Namespace) -> list[GatewayRow]:
             {"version": 1, "model": "sim", "task": "embeddings", "embeddings": {"points": points}}
         )
     )
-    capacity = 1000.0 / args.service_ms
+    capacity = args.gateway_slots * 1000.0 / args.service_ms
     share = capacity / 2
     light_rate = args.light_share * share
     heavy_rate = FLOOD * share
     print(
-        f"gateway: capacity {capacity:.1f} req/s (1 slot, {args.service_ms:g} ms each); light "
+        f"gateway: capacity {capacity:.1f} req/s ({args.gateway_slots} slots, "
+        f"{args.service_ms:g} ms a batch); light "
         f"{light_rate:.1f} req/s, heavy {heavy_rate:.1f} req/s, {args.gateway_s:g} s each",
         file=sys.stderr,
     )
@@ -514,7 +564,9 @@ def main() -> None:
     parser.add_argument("--light-share", type=float, default=0.5, help="of its fair share")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gateway-s", type=float, default=30.0, help="gateway run length")
-    parser.add_argument("--service-ms", type=float, default=40.0, help="gateway: per request")
+    parser.add_argument("--service-ms", type=float, default=40.0, help="gateway: per batch")
+    parser.add_argument("--gateway-slots", type=int, default=1, help="gateway: replica slots")
+    parser.add_argument("--warmup-s", type=float, default=30.0, help="sim: TTFT after this")
     parser.add_argument("--cost-depths", type=int, nargs="+", default=[1000, 100_000])
     parser.add_argument("--cost-rounds", type=int, default=6)
     parser.add_argument("--cost-steps", type=int, default=20_000)
@@ -544,7 +596,7 @@ def main() -> None:
     rows = sim_rows(args)
     print("## Simulator: ServeGen m-mid clients, llama2-70b fleet\n")
     print(sim_table(rows) + "\n")
-    solo, fifo, vtc = rows
+    solo, fifo, counters, vtc = rows
     lost = (fifo.light_requests - fifo.light_completed, vtc.light_requests - vtc.light_completed)
     results += verdicts(
         "sim",
@@ -577,6 +629,7 @@ def main() -> None:
             lost,
         )[0]
     )
+    notes = slot_share_notes(solo, counters, vtc)
     payload: dict[str, object] = {
         "commit": commit,
         "cost": [asdict(r) for r in costs],
@@ -600,6 +653,8 @@ def main() -> None:
         payload["gateway"] = [asdict(r) for r in gw]
     for ok, line in results:
         print(f"{'PASS' if ok else 'MISS'} {line}")
+    for line in notes:
+        print(f"NOTE {line}")
     if args.json:
         args.json.write_text(json.dumps(payload, indent=2))
     if args.verdict:
