@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import httpx
 import pytest
@@ -73,7 +74,7 @@ async def test_client_watch_cancels_a_long_await_when_the_client_goes() -> None:
     with pytest.raises(ClientGone):  # once gone, every later bound fails at once
         async with watch:
             pass
-    await watch.close()
+    watch.close()
 
 
 @pytest.mark.asyncio
@@ -95,7 +96,66 @@ async def test_client_watch_reads_nothing_of_a_quick_answer() -> None:
     watch = ClientWatch(receive)
     async with watch:
         await asyncio.sleep(0)
-    await watch.close()
+    watch.close()
     assert watch._timer is None  # its start is called off: no watcher will ever read
     assert watch._task is None
     assert reads == 0
+
+
+@pytest.mark.asyncio
+async def test_client_watch_of_a_channel_that_tells_reads_nothing_and_starts_nothing() -> None:
+    """A channel whose owner calls back when its client goes (a fast route's cycle) is
+    never read: no timer, no task; the callback ends the bounded await, and ``close()``
+    stops the callbacks."""
+    import asyncio
+
+    from tidegate.asgi import ClientWatch
+
+    class Channel:
+        def __init__(self) -> None:
+            self.callbacks: list[Any] = []
+            self.gone = False
+
+        async def receive(self) -> dict[str, str]:
+            raise AssertionError("a channel that tells is never read")
+
+        def tell_when_gone(self, callback: Any, tell: bool) -> None:
+            if not tell:
+                if callback in self.callbacks:
+                    self.callbacks.remove(callback)
+            elif self.gone:
+                callback()
+            else:
+                self.callbacks.append(callback)
+
+        def lose(self) -> None:
+            self.gone = True
+            for callback in self.callbacks:
+                callback()
+
+    channel = Channel()
+    watch = ClientWatch(channel.receive)
+    entered = asyncio.Event()
+
+    async def wait_forever() -> None:
+        async with watch:
+            entered.set()
+            await asyncio.get_running_loop().create_future()
+
+    task = asyncio.create_task(wait_forever())
+    await asyncio.wait_for(entered.wait(), 30)
+    assert (watch._timer, watch._task) == (None, None)
+    channel.lose()
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(task, 30)
+    watch.close()
+    assert channel.callbacks == []
+
+    late = Channel()
+    late.gone = True  # gone before the first bound: it fails at once
+    watch = ClientWatch(late.receive)
+    with pytest.raises(ClientGone):
+        async with watch:
+            pass
+    watch.close()
+    assert late.callbacks == []

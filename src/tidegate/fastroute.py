@@ -87,12 +87,13 @@ class FastCycle:
 
     __slots__ = (
         "_default_headers",
+        "_disconnected",
+        "_gone_callbacks",
         "_headers",
         "_path",
         "_routes",
         "_transport",
         "body",
-        "disconnected",
         "flow",
         "keep_alive",
         "message_event",
@@ -125,9 +126,34 @@ class FastCycle:
         self.message_event = asyncio.Event()
         self.body = bytearray()
         self.more_body = True
-        self.disconnected = False
+        self._disconnected = False
+        self._gone_callbacks: list[Callable[[], None]] = []
         self.response_started = False
         self.response_complete = False
+
+    @property
+    def disconnected(self) -> bool:
+        return self._disconnected
+
+    @disconnected.setter
+    def disconnected(self, value: bool) -> None:
+        """Set by the protocol when the connection is lost: the watches are told at once."""
+        self._disconnected = value
+        if value:
+            callbacks, self._gone_callbacks = self._gone_callbacks, []
+            for callback in callbacks:
+                callback()
+
+    def tell_when_gone(self, callback: Callable[[], None], tell: bool) -> None:
+        """Call ``callback`` when the client goes away (at once when it has gone), or
+        (``tell`` False) no longer: ``asgi.ClientWatch`` without a task or a timer."""
+        if not tell:
+            if callback in self._gone_callbacks:
+                self._gone_callbacks.remove(callback)
+        elif self._disconnected:
+            callback()
+        else:
+            self._gone_callbacks.append(callback)
 
     async def run_asgi(self, app: object) -> None:
         """Called as uvicorn calls its own cycle's (``app`` is the ASGI app: unused)."""
@@ -288,7 +314,7 @@ class FastCycle:
             pass
         finally:
             if watch is not None:
-                await watch.close()
+                watch.close()
             await chunks.aclose()  # type: ignore[attr-defined]
         if self.disconnected:
             self.response_complete = True

@@ -206,3 +206,25 @@ async def test_unreachable_replicas_answer_502_naming_the_replica_not_its_addres
     assert "replica r" in error["message"]
     for leak in LEAKS:
         assert leak not in error["message"], error
+
+
+@pytest.mark.asyncio
+async def test_requests_sharing_a_client_request_id_are_each_served_and_keep_it(
+    tmp_path: Path,
+) -> None:
+    """X-Request-Id is the client's: concurrent requests that reuse one (a retrying client,
+    a constant in its code) are each queued and answered, each echoing it. It once keyed
+    the queue, and the second request in flight with it got a 500."""
+    import asyncio
+
+    profile = flat_profile(tmp_path / "flat.json", latency_ms=50)
+    with sim_worker(profile) as worker:
+        async with gateway_client(sim_config(worker.url), [worker.url], slots=1) as (client, _):
+            answers = await asyncio.gather(
+                *(
+                    client.post("/v1/embeddings", json=OK, headers={"X-Request-Id": "same"})
+                    for _ in range(4)
+                )
+            )
+    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    assert {a.headers["x-request-id"] for a in answers} == {"same"}

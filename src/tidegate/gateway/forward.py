@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -62,7 +62,8 @@ TASK_OF_PATH = {
 class _Call:
     """What the gateway knows about one request while it is in flight."""
 
-    rid: str
+    rid: str  # the client's X-Request-Id, else ``key``: in logs and both answers' headers
+    key: str  # unique: the scheduler's id of it (queue, tickets): "<X-Request-Id>~<random>"
     watch: ClientWatch
     model: str = "-"
     priority: str = "none"
@@ -133,8 +134,11 @@ async def proxy_call(
     """One request to a proxy route, from its (lower-case) headers and whole body to its
     answer; ``receive`` shows the client going away. Never raises but for cancellation: a
     bug is logged and answered 500, and every outcome is counted once."""
-    rid = headers.get("x-request-id") or f"req-{os.urandom(16).hex()}"
-    call = _Call(rid=rid, watch=ClientWatch(receive))
+    # A client's X-Request-Id is its own to reuse: it names the request (and starts its key,
+    # for an operator reading the queue), never keys it alone.
+    named = headers.get("x-request-id")
+    key = f"{named}~{os.urandom(8).hex()}" if named else f"req-{os.urandom(16).hex()}"
+    call = _Call(rid=named or key, key=key, watch=ClientWatch(receive))
     try:
         reply = await _admit_and_forward(gateway, path, headers, body, call)
     except ClientGone:
@@ -154,7 +158,7 @@ async def proxy_call(
             TidegateError("internal error: the server failed on this request; it is logged")
         )
     finally:
-        await call.watch.close()  # the answer's own sending watches the client from here
+        call.watch.close()  # the answer's own sending watches the client from here
     if call.outcome == "streaming":  # a stream counts its outcome when it ends
         return reply
     settle = reply.after
@@ -226,7 +230,7 @@ async def _admit_and_forward(
     dispatcher = gateway.dispatchers[model]
     tenant = request_tenant(config, key, headers_in)  # 400 on a bad trusted header
     core = CoreRequest(
-        call.rid, model, level, call.started, None, estimate_tokens(parsed), tenant=tenant
+        call.key, model, level, call.started, None, estimate_tokens(parsed), tenant=tenant
     )
     try:  # before the queue: a key over its quota displaces nobody
         quota = gateway.quotas.check(key, core.cost_tokens)
@@ -258,7 +262,7 @@ async def _admit_and_forward(
                 dispatcher.record_answer(replica, ok=False)
             connect_failures += 1
             if connect_failures > 1:
-                dispatcher.release(replica, completed=False)
+                dispatcher.release(replica, completed=False, request=ticket.request)
                 call.outcome = "failed"
                 log.warning("%s: replica %s unreachable too: %s", call.rid, replica.id, exc)
                 raise ReplicaFailed(
@@ -272,7 +276,7 @@ async def _admit_and_forward(
         except BaseException as exc:
             if isinstance(exc, ReplicaFailed):  # cut mid-answer; a client gone is no vote
                 dispatcher.record_answer(replica, ok=False)
-            dispatcher.release(replica, completed=False)
+            dispatcher.release(replica, completed=False, request=ticket.request)
             if isinstance(exc, NotReady):  # shutdown's cut-off (Gateway.until_cut_off)
                 call.outcome = outcome_of(exc)
             else:
@@ -329,12 +333,11 @@ async def _send(
 ) -> Forwarded:
     if replica.url is None or not replica.ready:  # it died while this handler woke up
         raise ReplicaGone(f"replica {replica.id} stopped before the request was sent")
-    metrics = gateway.metrics
     if replica.auth_headers:
         headers = {**headers, **replica.auth_headers}
     try:
         # Shutdown's deadline answers 503; a client gone cancels the forward.
-        async with gateway.until_cut_off(), call.watch:
+        async with gateway.until_cut_off(call.watch):
             return await forward(
                 gateway.pool,
                 replica.url,
@@ -342,12 +345,16 @@ async def _send(
                 body,
                 headers,
                 stream=stream,
-                on_first_byte=lambda at: metrics.observe(
-                    call.model, call.priority, "ttft", at - call.started
-                ),
+                on_first_byte=_ttft_observer(gateway, call) if stream else None,
             )
     except ReplicaFailed as exc:
         raise ReplicaFailed(f"replica {replica.id}: {exc.message}") from exc
+
+
+def _ttft_observer(gateway: Gateway, call: _Call) -> Callable[[float], None]:
+    """A stream's time to its first chunk with content (a whole answer's: its head)."""
+    metrics = gateway.metrics
+    return lambda at: metrics.observe(call.model, call.priority, "ttft", at - call.started)
 
 
 def _respond(
@@ -370,10 +377,12 @@ def _respond(
         call.outcome = "completed" if status < 400 else ("invalid" if status < 500 else "failed")
 
         def account() -> None:  # once the answer is on its way: off the client's wait
+            # A whole answer's first byte is its head.
+            metrics.observe(call.model, call.priority, "ttft", forwarded.head_at - call.started)
             dispatcher.record_answer(replica, ok=status < 500)  # outlier detection
             if status < 400:
                 dispatcher.settle(ticket.request, forwarded.body)  # fair sharing: usage served
-            dispatcher.release(replica, completed=status < 500)
+            dispatcher.release(replica, completed=status < 500, request=ticket.request)
             e2e(time.monotonic() - call.started)
 
         return Reply(status, headers, forwarded.body or b"", after=account)
@@ -405,7 +414,7 @@ def _respond(
             yield SSE_DONE
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
-            dispatcher.release(replica, completed=outcome == "completed")
+            dispatcher.release(replica, completed=outcome == "completed", request=ticket.request)
             call.outcome = outcome
             e2e(time.monotonic() - call.started)
             _count(gateway, call)

@@ -69,6 +69,7 @@ class Forwarded:
     headers: list[tuple[bytes, bytes]]  # as ASGI has them: lower-case names, hop-by-hop ones out
     body: bytes | None  # None: streaming, read ``chunks``
     chunks: AsyncIterator[bytes] | None = None
+    head_at: float = 0.0  # monotonic time its head came
 
 
 class _Origin(NamedTuple):
@@ -281,8 +282,9 @@ async def forward(
     on_first_byte: Callable[[float], None] | None = None,
 ) -> Forwarded:
     """POST ``body`` to ``url + path``. Raises ConnectFailed before any byte, ReplicaFailed
-    after. ``on_first_byte(monotonic time)``: when the answer's head came (a whole answer)
-    or its first chunk with content (a stream)."""
+    after. ``on_first_byte(monotonic time)``: when a stream's first chunk with content
+    came (a whole answer's first byte is its ``head_at``, for the caller to record once it
+    has passed the answer on)."""
     origin = pool.origin(url)
     message = _request_bytes(origin, path, body, headers)
     conn, reused = await pool.connect(origin)
@@ -302,12 +304,11 @@ async def forward(
             log.warning("replica at %s failed: %s: %s", url, type(exc).__name__, exc)
             raise ReplicaFailed("the replica failed before it answered") from exc
         raise
+    head_at = time.monotonic()
     passed = [
         (lower, value) for name, value in conn.headers if (lower := name.lower()) not in HOP_HEADERS
     ]
     if not stream or conn.status != 200:
-        if on_first_byte is not None:  # a whole answer's first byte: its head
-            on_first_byte(time.monotonic())
         try:
             await conn.done
         except BaseException as exc:
@@ -318,10 +319,12 @@ async def forward(
             raise
         content = conn.take()
         pool.release(conn)
-        return Forwarded(conn.status, passed, content)
+        return Forwarded(conn.status, passed, content, head_at=head_at)
     conn.streaming = True
     conn.more.set()  # what came with the head
-    return Forwarded(conn.status, passed, None, _chunks(pool, conn, url, on_first_byte))
+    return Forwarded(
+        conn.status, passed, None, _chunks(pool, conn, url, on_first_byte), head_at=head_at
+    )
 
 
 async def _chunks(

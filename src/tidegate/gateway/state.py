@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from tidegate.asgi import ClientWatch
 from tidegate.config import TidegateConfig
 from tidegate.errors import NotReady
 from tidegate.gateway.dispatcher import ModelDispatcher
@@ -167,14 +168,15 @@ class Gateway:
     def fail_queued(self) -> int:
         return sum(d.fail_all(_shutting_down()) for d in self.dispatchers.values())
 
-    def until_cut_off(self) -> _UntilCutOff:
+    def until_cut_off(self, watch: ClientWatch | None = None) -> _UntilCutOff:
         """``async with gateway.until_cut_off():`` around one await on a replica's answer.
 
         Raises NotReady ``shutting_down`` from it once ``cut_off()`` is called (at once when
-        it already was). Wrap a single await, never a ``yield``: the timeout cancels the
-        task that entered it.
+        it already was); with ``watch``, also ClientGone when the client goes away (as
+        ``async with watch`` would, in the same scope). Wrap a single await, never a
+        ``yield``: the timeout cancels the task that entered it.
         """
-        return _UntilCutOff(self)
+        return _UntilCutOff(self, watch)
 
     def cut_off(self) -> tuple[int, int]:
         """Shutdown's deadline: answer what is queued and what is in flight with 503 now.
@@ -204,16 +206,24 @@ def _shutting_down() -> NotReady:
 
 
 class _UntilCutOff:
-    """One await bounded by shutdown's cut-off (see ``Gateway.until_cut_off``)."""
+    """One await bounded by shutdown's cut-off (see ``Gateway.until_cut_off``), and by the
+    client going away when a ``ClientWatch`` is given: one timeout scope for both."""
 
-    __slots__ = ("_gateway", "_timeout")
+    __slots__ = ("_gateway", "_timeout", "_watch")
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, watch: ClientWatch | None) -> None:
         self._gateway = gateway
-        self._timeout = asyncio.timeout_at(gateway._cut_off_at)
+        self._watch = watch
+        self._timeout = None if watch is not None else asyncio.timeout_at(gateway._cut_off_at)
 
     async def __aenter__(self) -> None:
-        await self._timeout.__aenter__()
+        if self._watch is None:
+            assert self._timeout is not None
+            await self._timeout.__aenter__()
+        else:  # raises ClientGone when the client already went
+            self._timeout = await self._watch.__aenter__()
+            if self._gateway._cut_off_at is not None:
+                self._timeout.reschedule(self._gateway._cut_off_at)
         self._gateway._cut_scopes.add(self._timeout)
 
     async def __aexit__(
@@ -222,8 +232,12 @@ class _UntilCutOff:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        assert self._timeout is not None
         self._gateway._cut_scopes.discard(self._timeout)
-        try:
-            await self._timeout.__aexit__(exc_type, exc, tb)
+        try:  # the client gone raises ClientGone from the watch's exit; a cut-off, this
+            if self._watch is None:
+                await self._timeout.__aexit__(exc_type, exc, tb)
+            else:
+                await self._watch.__aexit__(exc_type, exc, tb)
         except TimeoutError:
             raise _shutting_down() from None
