@@ -17,15 +17,17 @@
 4. Fleet level (``sim.fluid``, ``examples/fleets/servegen.yaml``): (a) the 14 days of the
    ServeGen aggregate for its 5 models at once on 10,000 GPUs (1,250 nodes of 8), tidegate
    autoscaling each: wall time (target <= 600 s), GPU-hours, SLO attainment per level, peak
-   GPUs, placement refusals; (b) one-hour slices of single models (m-large 18:00-19:00, its
-   evening ramp; deepseek-r1 21:00-22:00, before its 22h peak) through the fleet mode and
-   the request-level simulator with the same config, service model, lengths, priorities,
-   controller, lifecycle and starting replicas (enough for the slice's first window at the
-   autoscaler's target): GPU-hours and attainment per level of each, and their relative
-   differences (target: every one within 5%). The request-level run is timed too.
+   GPUs, placement refusals; (b) slices of single models (``SLICES``: one hour each of
+   m-large 18:00, its evening ramp, deepseek-r1 21:00, before its 22h peak, and mm-image
+   16:00, 2,000-token prompts; 15 minutes of m-small at 02:00, its night trough) through the
+   fleet mode and the request-level simulator with the same config, service model, lengths,
+   priorities, controller, lifecycle and starting replicas (enough for the slice's first
+   window at the autoscaler's target): GPU-hours over the slice and attainment per level of
+   each, and their relative differences (target: every one within 5%). The request-level run
+   is timed too.
 
-Run (about a minute on 2 cores for 1-3; about 7 minutes for 4, 4.5 of them the request-level
-m-large hour):
+Run (about a minute on 2 cores for 1-3; about 10 minutes for 4, 4.5 of them the
+request-level m-large hour):
     .venv/bin/python benchmarks/bench_sim.py [--requests 200000] [--repeat 3] [--cprofile]
         [--traces ../shared/traces] [--json out.json] [--quick] [--verdict v.json]
         [--skip-fleet | --fleet-only] [--fleet examples/fleets/servegen.yaml] [--fleet-days N]
@@ -66,9 +68,16 @@ ROOT = Path(__file__).resolve().parent.parent
 FLEET_FILE = ROOT / "examples" / "fleets" / "servegen.yaml"
 FLEET_TARGET_S = 600.0
 FLEET_AGREEMENT = 0.05
-# m-large's evening ramp, deepseek-r1 before its 22h peak (80 s sequences), mm-image's
-# afternoon (2,000-token prompts: the engine part of the TTFT decides high's attainment)
-SLICES = (("m-large", 18 * 3600.0), ("deepseek-r1", 21 * 3600.0), ("mm-image", 16 * 3600.0))
+# (model, start, length): m-large's evening ramp, deepseek-r1 before its 22h peak (80 s
+# sequences), mm-image's afternoon (2,000-token prompts: the engine part of the TTFT decides
+# high's attainment), and a quarter of an hour of m-small at its night trough (~480
+# requests/s on ~200 TP2 replicas: an hour would take the request-level simulator ~8 minutes)
+SLICES = (
+    ("m-large", 18 * 3600.0, 3600.0),
+    ("deepseek-r1", 21 * 3600.0, 3600.0),
+    ("mm-image", 16 * 3600.0, 3600.0),
+    ("m-small", 2 * 3600.0, 900.0),
+)
 DEFAULT_TRACES = ROOT.parent / "shared" / "traces"
 TARGET_PER_S = 200_000.0
 MIX = (("high", 0.2), ("medium", 0.3), ("low", 0.5))
@@ -246,14 +255,14 @@ def _window(rates: list[Segment], start: float, end: float) -> list[Segment]:
     return cut
 
 
-def fleet_slice(path: Path, model: str, start_s: float) -> dict[str, Any]:
-    """One hour of one model through both simulators with the same inputs."""
+def fleet_slice(path: Path, model: str, start_s: float, length_s: float) -> dict[str, Any]:
+    """``length_s`` of one model from ``start_s`` through both simulators, same inputs."""
     base = load_fleet(path)
     group = next(g for g in base.groups if g.model == model)
     spec = base.config.model(model)
     autoscaling = spec.autoscaling
     assert autoscaling is not None
-    rates = _window(list(group.rates), start_s, start_s + 3600.0)
+    rates = _window(list(group.rates), start_s, start_s + length_s)
     slots = spec.slots if spec.slots is not None else spec.batching.max_num_seqs
     engine = EngineCurve(group.service, group.lengths, slots, base.seed)
     target = min(slots, round(autoscaling.target_per_replica))
@@ -269,7 +278,7 @@ def fleet_slice(path: Path, model: str, start_s: float) -> dict[str, Any]:
         slo_ttft_s=base.slo_ttft_s,
         step_s=base.step_s,
         start_wall_s=start_wall_s,
-        end_s=3600.0,
+        end_s=length_s,
         seed=base.seed,
     )
     started = time.perf_counter()
@@ -299,9 +308,10 @@ def fleet_slice(path: Path, model: str, start_s: float) -> dict[str, Any]:
     request_s = time.perf_counter() - started
     # the same window as the fleet mode's: the request-level run goes on until its last
     # request ends (long outputs: minutes), with the replicas still held
+    replicas_seen = (*simulation.fleet.live.values(), *simulation.fleet.stopped)
     held_s = sum(
-        max(0.0, min(3600.0, r.stopped_at if r.stopped_at is not None else math.inf) - r.started_at)
-        for r in (*simulation.fleet.live.values(), *simulation.fleet.stopped)
+        max(0.0, min(length_s, math.inf if r.stopped_at is None else r.stopped_at) - r.started_at)
+        for r in replicas_seen
     )
     summary = run_summary(request_result)
     gpus = group.gpus or group.service.gpus_per_replica
@@ -310,6 +320,7 @@ def fleet_slice(path: Path, model: str, start_s: float) -> dict[str, Any]:
     row = {
         "model": model,
         "start_h": start_s / 3600.0,
+        "length_s": length_s,
         "rates_per_s": [s.arrivals_per_s for s in rates],
         "replicas_at_start": replicas,
         "fluid_gpu_hours": fluid_result.gpu_hours,
@@ -325,12 +336,17 @@ def fleet_slice(path: Path, model: str, start_s: float) -> dict[str, Any]:
         "request_peak_ready": max(s[3] for s in request_result.recorder.samples),
     }
     print(
-        f"  slice {model} {start_s / 3600:g}h: fluid {row['fluid_gpu_hours']:.1f} GPU-h "
+        f"  slice {_label(row)}: fluid {row['fluid_gpu_hours']:.1f} GPU-h "
         f"({fluid_s:.1f} s), request-level {row['request_gpu_hours']:.1f} GPU-h "
         f"({request_s:.0f} s, {row['requests']:,} requests)",
         flush=True,
     )
     return row
+
+
+def _label(row: dict[str, Any]) -> str:
+    length = "" if row["length_s"] == 3600.0 else f" ({row['length_s'] / 60:g} min)"
+    return f"{row['model']} {row['start_h']:g}:00{length}"
 
 
 def _relative(fluid: float | None, request: float | None) -> float | None:
@@ -362,7 +378,7 @@ def fleet_lines(replay: dict[str, Any], slices: list[dict[str, Any]]) -> list[st
             diff = _relative(fluid, request)
             largest = max(largest, abs(diff or 0.0))
             head = (
-                f"| {row['model']} {row['start_h']:g}:00 | {row['requests']:,} | "
+                f"| {_label(row)} | {row['requests']:,} | "
                 f"{row['replicas_at_start']} | {row['fluid_gpu_hours']:.1f} | "
                 f"{row['request_gpu_hours']:.1f} | {_pct(gpu_diff)} "
                 if index == 0
@@ -373,7 +389,7 @@ def fleet_lines(replay: dict[str, Any], slices: list[dict[str, Any]]) -> list[st
                 f"{_pct(request, signed=False)} | {_pct(diff)} |"
             )
         worst = max(worst, largest)
-        each.append(f"{row['model']} {row['start_h']:g}:00 {largest * 100:.1f}%")
+        each.append(f"{_label(row)} {largest * 100:.1f}%")
     print()
     minutes = replay["wall_s"]
     return [
@@ -381,7 +397,7 @@ def fleet_lines(replay: dict[str, Any], slices: list[dict[str, Any]]) -> list[st
         f"of {len(replay['groups'])} models on {replay['inventory']['gpus']:,} GPUs in "
         f"{minutes:.0f} s (target <= {FLEET_TARGET_S:.0f} s)",
         f"{'PASS' if worst <= FLEET_AGREEMENT else 'MISS'} fleet level vs request level on "
-        f"{len(slices)} one-hour slices: GPU-hours and attainment per level within "
+        f"{len(slices)} slices: GPU-hours and attainment per level within "
         f"{worst * 100:.1f}% ({', '.join(each)}; target <= {FLEET_AGREEMENT * 100:.0f}% on each)",
     ]
 
@@ -412,7 +428,7 @@ def main() -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a smoke run: 20,000 requests, no repeat; fleet: 1 day, the deepseek-r1 slice",
+        help="a smoke run: 20,000 requests, no repeat; fleet: 1 day, deepseek-r1 and mm-image",
     )
     parser.add_argument("--fleet", type=Path, default=FLEET_FILE, help="the fleet file of part 4")
     parser.add_argument("--fleet-days", type=float, help="part 4a: replay these days only")
@@ -432,8 +448,8 @@ def main() -> None:
         days = args.fleet_days or (1.0 if args.quick else 14.0)
         replay = fleet_replay(args.fleet, days)
         slices = [
-            fleet_slice(args.fleet, model, start_s)
-            for model, start_s in (SLICES[1:] if args.quick else SLICES)
+            fleet_slice(args.fleet, model, start_s, length_s)
+            for model, start_s, length_s in (SLICES[1:3] if args.quick else SLICES)
         ]
         lines += fleet_lines(replay, slices)
         replay.pop("gpus_in_use")

@@ -26,14 +26,16 @@ from tidegate.sim.fleetfile import load_fleet, read_aggregate, segments_of
 from tidegate.sim.fluid import (
     READY,
     STARTING,
+    EngineCurve,
     FleetGroup,
     FleetScenario,
     FleetSimulation,
     holdback_saturation,
 )
+from tidegate.sim.fluid_ttft import routed_replicas, routed_ttft
 from tidegate.sim.inventory import GpuInventory, Inventory
 from tidegate.sim.service import load_service
-from tidegate.sim.synthetic import Segment
+from tidegate.sim.synthetic import LognormalLengths, Segment
 
 from .conftest import FIXTURES, config_of, flat_step_service
 
@@ -341,3 +343,27 @@ def test_simulate_fleet_names_a_bad_key(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["simulate", "--fleet", str(fleet)])
     assert result.exit_code == 2
     assert "groupz" in result.output
+
+
+def test_least_loaded_routing_keeps_long_prefills_apart() -> None:
+    """The engine part of the TTFT is measured behind the router (``sim.fluid_ttft``): with
+    2,000-token prompts, five replicas at a replica's rate each get more first tokens within
+    a second than one alone, since the least loaded replica is rarely still prefilling the
+    last arrival; and the table is the same for the same seed."""
+    service = load_service(f"{PERF}#llama2-70b/a100-80gb/8")
+    assert service.step is not None
+    lengths = LognormalLengths(prompt_median=2000, output_median=100)
+    engine = EngineCurve(service, lengths, 16, seed=0)
+    rate = engine.mu[8]
+    tables = {
+        replicas: routed_ttft(service.step, lengths, 16, replicas, rate, 60.0, 1000, seed=0)
+        for replicas in (1, 5)
+    }
+
+    def within(samples: list[float]) -> float:
+        return sum(1 for s in samples if s <= 1.0) / len(samples)
+
+    assert within(tables[5]) > within(tables[1]) + 0.02
+    assert tables[5] == routed_ttft(service.step, lengths, 16, 5, rate, 60.0, 1000, seed=0)
+    assert routed_replicas(3) == 3
+    assert routed_replicas(1000) == routed_replicas(17)

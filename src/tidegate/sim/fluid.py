@@ -31,12 +31,17 @@ sub-second within ``1/sqrt(c)`` of full load, while the misses that decide SLO a
 come from capacity lagging demand (cold starts, scale-down windows), which the fluid keeps.
 
 Latency. An arrival's time to first token is its gateway wait (the queue ahead of it over
-the capacity left by more urgent levels) plus an engine part, drawn once per group from the
-workload's lengths: the rest of the running step (uniform), one decode step, and the prefill
-of its prompt with the mean prompt of the others joining in the same step. SLO attainment
-per level is the share of its requests that were admitted and whose time to first token is
-within the level's SLO (refused, shed and failed ones are misses), as in the request-level
-report.
+the capacity left by more urgent levels) plus an engine part, from dispatch to first token.
+The engine part is measured, not derived (``sim.fluid_ttft``): a few replicas of the
+request-level worker behind the core's ``pick_replica`` at the rate ``mu(B)``, once per
+group for each point ``B`` of a grid of running-set sizes (about sqrt(2) apart, linear
+between) and each ready count up to the router's power-of-two threshold (one table above
+it). Routing decides it where prefill is much of the engine's time: the least loaded
+replica is rarely the one still prefilling the last arrival, so fewer requests share or
+wait behind a prefill step than an even split of the arrivals gives (an analytic split was
+7% low on 2,000-token prompts). SLO attainment per level is the share of its requests that
+were admitted and whose time to first token is within the level's SLO (refused, shed and
+failed ones are misses), as in the request-level report.
 
 Lifecycle. A started replica is placed at once (refused when no node has room: counted, and
 the controller asks again at its next tick), holds its GPUs from then on, and serves after
@@ -71,6 +76,7 @@ from tidegate.core.request import Request
 from tidegate.sim.autoscale import CoreAutoscaler
 from tidegate.sim.control import CONTROLLERS, ControllerContext
 from tidegate.sim.fleet import Lifecycle
+from tidegate.sim.fluid_ttft import routed_replicas, routed_ttft
 from tidegate.sim.inventory import GpuInventory, Inventory
 from tidegate.sim.run import DEFAULT_SLO_TTFT_S, FALLBACK_SLO_TTFT_S
 from tidegate.sim.service import ServiceModel
@@ -78,7 +84,11 @@ from tidegate.sim.synthetic import Lengths, LognormalLengths, Segment
 
 DEFAULT_STEP_S = 5.0
 DEFAULT_SAMPLE_S = 600.0  # replicas over time: one point per trace window
-ENGINE_SAMPLES = 2000  # engine-part TTFT draws per group (sorted, per running-set size)
+DRAIN_SAMPLES = 2000  # output lengths for the drain times
+TTFT_SAMPLES = 4000  # engine-part TTFT samples per table (sim.fluid_ttft)
+TTFT_WARMUP_SOJOURNS = 3.0  # a table's warm-up: times a sequence's time in the engine
+# running sequences per replica at which the TTFT is measured (about sqrt(2) apart)
+TTFT_GRID = (1, 2, 3, 4, 6, 8, 11, 16, 22, 32, 45, 64, 90, 128, 181, 256)
 MEAN_SAMPLES = 100_000  # draws for the mean output and prefill
 STARTING, READY, DRAINING = "starting", "ready", "draining"
 
@@ -162,7 +172,7 @@ class EngineCurve:
         step = service.step
         rng = random.Random(f"{seed}:fluid-lengths")
         # the means from many draws (a heavy tail: 2,000 would leave a few % of noise),
-        # the TTFT and drain tables from the first ENGINE_SAMPLES of them
+        # the drain table from the first DRAIN_SAMPLES of them
         draws = [lengths.draw(rng) for _ in range(MEAN_SAMPLES)]
         self.slots = slots
         self.mean_output = sum(max(1, o) for _, o in draws) / len(draws)
@@ -174,13 +184,8 @@ class EngineCurve:
                 seconds = cost[p] = step.step_s(0, 1, p)
             total_prefill += seconds
         self.mean_prefill_s = total_prefill / len(draws)
-        draws = draws[:ENGINE_SAMPLES]
-        prompts = [p for p, _ in draws]
-        outputs = sorted(max(1, o) for _, o in draws)
-        mean_prompt = sum(prompts) / len(prompts)
-        prefill = [cost[p] for p in prompts]
         self.decode_s = [step.step_s(b, 0, 0) for b in range(slots + 1)]
-        self.outputs = outputs
+        self.outputs = sorted(max(1, o) for _, o in draws[:DRAIN_SAMPLES])
         # mu(b): completions/s of one replica with b running (cumulative max: monotone)
         mu = [0.0]
         for b in range(1, slots + 1):
@@ -190,37 +195,30 @@ class EngineCurve:
         self.capacity_per_s = mu[slots]
         # time in the engine at b running (Little: b / mu(b)); below one, that of one
         self._sojourn = [1.0 / mu[1]] + [b / mu[b] for b in range(1, slots + 1)]
-        # engine part of the TTFT, sorted, for each running-set size: an arrival waits for
-        # the running step to end (a prefill step with probability its share of the engine
-        # time, picked by length; else a decode step), then its own step prefills it with
-        # whatever arrived meanwhile
-        u = random.Random(f"{seed}:fluid-residual")
+        # the engine part of the TTFT is measured on the grid and interpolated between
         self._step = step
-        self._prompts = prompts
-        self._prefill = prefill
-        self._mean_prompt = mean_prompt
-        self._residual = [u.random() for _ in prompts]
-        self._inside = [u.random() for _ in prompts]
-        self._picked = u.choices(range(len(prompts)), weights=prefill, k=len(prompts))
-        self._ttft: dict[int, list[float]] = {}
+        self._lengths = lengths
+        self._seed = seed
+        self.grid = sorted({b for b in TTFT_GRID if b < slots} | {slots})
+        self._ttft: dict[tuple[int, int], list[float]] = {}
 
-    def ttft(self, running: int) -> list[float]:
-        """The engine part of the TTFT at ``running`` sequences per replica, sorted."""
-        samples = self._ttft.get(running)
-        if samples is not None:
-            return samples
-        d = self.decode_s[running]
-        rate = self.mu[running]
-        prefill_share = min(1.0, rate * self.mean_prefill_s)
-        prefill, step = self._prefill, self._step
-        samples = []
-        for i, prompt in enumerate(self._prompts):
-            busy = d + prefill[self._picked[i]] if self._inside[i] < prefill_share else d
-            wait = self._residual[i] * busy
-            joining = prompt + rate * (wait + d) * self._mean_prompt
-            samples.append(wait + d + step.step_s(0, 1, round(joining)))
-        samples.sort()
-        self._ttft[running] = samples
+    def ttft(self, running: int, ready: int) -> list[float]:
+        """The engine part of the TTFT (dispatch to first token), sorted, at ``running``
+        sequences per replica (a point of ``grid``) over ``ready`` ready replicas: measured
+        by ``sim.fluid_ttft`` at the rate that keeps ``running`` in the engine."""
+        key = (running, routed_replicas(ready))
+        samples = self._ttft.get(key)
+        if samples is None:
+            samples = self._ttft[key] = routed_ttft(
+                self._step,
+                self._lengths,
+                self.slots,
+                key[1],
+                self.mu[running],
+                TTFT_WARMUP_SOJOURNS * self._sojourn[running],
+                TTFT_SAMPLES,
+                self._seed,
+            )
         return samples
 
     def sojourn_s(self, running: float) -> float:
@@ -244,10 +242,20 @@ class EngineCurve:
         low, high = mu[b - 1], mu[b]
         return b - 1 + (per_replica_per_s - low) / (high - low) if high > low else float(b)
 
-    def within(self, running: float, wait_s: float, slo_s: float) -> float:
-        """Share of requests whose TTFT (wait + engine part) is within ``slo_s``."""
-        samples = self.ttft(min(self.slots, max(0, round(running))))
-        return bisect.bisect_right(samples, slo_s - wait_s) / len(samples)
+    def within(self, running: float, ready: int, wait_s: float, slo_s: float) -> float:
+        """Share of requests whose TTFT (wait + engine part) is within ``slo_s``, at
+        ``running`` sequences per replica over ``ready`` replicas (linear between the
+        grid's points; below the first, that of the first)."""
+        grid = self.grid
+        b = min(float(self.slots), max(float(grid[0]), running))
+        i = min(len(grid) - 2, bisect.bisect_right(grid, b) - 1) if len(grid) > 1 else 0
+        low = self.ttft(grid[i], ready)
+        share = bisect.bisect_right(low, slo_s - wait_s) / len(low)
+        if len(grid) == 1 or b <= grid[i]:
+            return share
+        high = self.ttft(grid[i + 1], ready)
+        part = (b - grid[i]) / (grid[i + 1] - grid[i])
+        return share * (1.0 - part) + part * bisect.bisect_right(high, slo_s - wait_s) / len(high)
 
     def drain(self, running: float, timeout_s: float) -> tuple[float, float]:
         """(seconds until a draining replica's longest sequence ends, share that fails)."""
@@ -338,7 +346,7 @@ class FluidGroup:
         self.stopped = 0
         self.series: list[tuple[float, int, int, float]] = []  # (t, counted, ready, queued)
         self.max_queued = 0.0
-        self._within_now: dict[int, list[float]] = {}  # running -> share within, no wait
+        self._within_now: dict[tuple[int, int], list[float]] = {}  # share within, no wait
         # the controller: the request-level simulator's, on counts
         start = group.replicas if group.replicas is not None else sum(spec.replicas.values())
         self.initial = start
@@ -576,7 +584,7 @@ class FluidGroup:
             if admitted > 0:
                 wait = self._wait(ahead_before, ahead_after, service_per_s - urgent_per_s)
                 t.max_wait_s = max(t.max_wait_s, wait)
-                t.met += admitted * self.engine.within(b, wait, self.slo[level])
+                t.met += admitted * self.engine.within(b, ready, wait, self.slo[level])
             if not self.fifo:
                 urgent_per_s += rate * self.shares[level]
         self.max_queued = max(self.max_queued, queued_after)
@@ -596,11 +604,11 @@ class FluidGroup:
     ) -> None:
         """``_flow`` when the ready replicas take every arrival and nothing is queued."""
         self._relax(arrivals, dt, sojourn_s, decay)
-        b = round(self.running / ready)
-        within = self._within_now.get(b)
+        key = (round(self.running / ready), routed_replicas(ready))
+        within = self._within_now.get(key)
         if within is None:
-            within = [self.engine.within(b, 0.0, slo) for slo in self.slo]
-            self._within_now[b] = within
+            within = [self.engine.within(key[0], ready, 0.0, slo) for slo in self.slo]
+            self._within_now[key] = within
         for level, amount in enumerate(arrivals):
             t = self.tally[level]
             t.admitted += amount
