@@ -91,17 +91,22 @@ def test_round_trip_recovers_the_known_curve_and_knee(embeddings_round_trip: Pat
     # is a point as measured, and it meets the SLO exactly when every sweep has a point
     # within it (the batch sweep does: batch 4 was chosen), its own p95 among them.
     assert profile.slo == Slo(p95_ms=EMBED_SLO_MS)
-    as_measured = (knee.concurrency, knee.batch_size, knee.batch_window_ms)
-    as_measured += (knee.throughput_rps, knee.latency_p95_ms)
     assert any(
         (p.concurrency, p.batch_size, p.batch_window_ms, p.throughput_rps, p.latency_p95_ms)
-        == as_measured
+        == (
+            knee.concurrency,
+            knee.batch_size,
+            knee.batch_window_ms,
+            knee.throughput_rps,
+            knee.latency_p95_ms,
+        )
         for p in profile.points
     ), knee
 
     def within(p: MeasuredPoint) -> bool:
         served = p.num_requests > 0 and p.throughput_rps > 0
-        return served and p.latency_p95_ms <= EMBED_SLO_MS and p.error_rate <= Slo().max_error_rate
+        within_slo = p.latency_p95_ms <= EMBED_SLO_MS and p.error_rate <= Slo().max_error_rate
+        return bool(served and within_slo)
 
     sweeps = {p.sweep for p in profile.points}
     assert sweeps == {"batch", "window", "concurrency"}
