@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import os
 import signal
 import socket
 import sys
@@ -41,17 +40,16 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import aiohttp
 import yaml
 
-from tidegate.control.local import parent_death_signal, tidegate_command
+from tidegate.control.local import tidegate_command
 from tidegate.errors import ConfigError, ReplicaFailed
+from tidegate.profile.child import ChildGroup, spawn
 
 READY_POLL_S = 0.2
-STOP_TIMEOUT_S = 20.0
-STDERR_TAIL_BYTES = 3000
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,12 +153,11 @@ async def find_worker(session: aiohttp.ClientSession, gateway_url: str, model: s
     raise ReplicaFailed(f"{url} has no ready replica of {model!r} (/admin/replicas)")
 
 
-class LocalStack:
+class LocalStack(ChildGroup):
     """One ``tidegate serve`` process; use ``async with LocalStack.start(...)``."""
 
-    def __init__(self, process: asyncio.subprocess.Process, stderr: IO[bytes]) -> None:
-        self.process = process
-        self._stderr = stderr
+    stop_timeout_s = 20.0  # the gateway drains, then stops its workers
+    stderr_tail_bytes = 3000
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -174,28 +171,15 @@ class LocalStack:
     ) -> AsyncIterator[Stack | None]:
         """Start it and wait until ``model`` is ready; None when ``stop`` came first."""
         port = int(config["gateway"]["port"])
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
         with (
             tempfile.NamedTemporaryFile("w", suffix=".yaml") as file,
             tempfile.TemporaryFile() as stderr,
         ):
             yaml.safe_dump(config, file)
             file.flush()
-            command = [*tidegate_command(), "serve", "--config", file.name, "--log-level"]
-            process = await asyncio.create_subprocess_exec(
-                *command,
-                "warning",
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=stderr,
-                env=env,
-                start_new_session=True,  # its own group: the gateway and its workers stop
-                preexec_fn=parent_death_signal(),
+            command = [*tidegate_command(), "serve", "--config", file.name]
+            process = await spawn(
+                [*command, "--log-level", "warning"], stderr, stdout=asyncio.subprocess.DEVNULL
             )
             stack = cls(process, stderr)
             try:
@@ -229,28 +213,14 @@ class LocalStack:
 
     async def stop(self) -> None:
         """SIGTERM the process group (the gateway drains and stops its workers)."""
-        if self.process.returncode is None:
-            self._signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.process.wait(), STOP_TIMEOUT_S)
-            except TimeoutError:
-                self._signal(signal.SIGKILL)
-                await self.process.wait()
+        await super().stop()
         # Workers live in the gateway's group unless they made their own: make sure.
         self._signal(signal.SIGKILL)
 
-    def _signal(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, sig)
-
     def _failure(self, what: str) -> ReplicaFailed:
-        self._stderr.seek(0, os.SEEK_END)
-        size = self._stderr.tell()
-        self._stderr.seek(max(0, size - STDERR_TAIL_BYTES))
-        tail = self._stderr.read().decode("utf-8", "replace").strip()
         return ReplicaFailed(
             f"tidegate serve (pid {self.process.pid}, {sys.executable}) {what}; "
-            f"its last output:\n{tail}"
+            f"its last output:\n{self._stderr_tail()}"
         )
 
 

@@ -14,8 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
-import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -24,14 +22,13 @@ from typing import IO, Any
 
 import aiohttp
 
-from tidegate.control.local import device_env, parent_death_signal, worker_command
+from tidegate.control.local import device_env, worker_command
 from tidegate.errors import ReplicaFailed
+from tidegate.profile.child import ChildGroup, spawn
 from tidegate.worker.runtime import WorkerSettings
 
 log = logging.getLogger("tidegate.profile")
 READY_POLL_S = 0.2  # /readyz while a worker loads and warms up, as the gateway does
-STOP_TIMEOUT_S = 15.0
-STDERR_TAIL_BYTES = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +59,12 @@ async def server_info(session: aiohttp.ClientSession, url: str, model: str) -> S
     raise ReplicaFailed(f"{url} does not serve model {model!r} (it lists {names})")
 
 
-class LocalWorker:
+class LocalWorker(ChildGroup):
     """One ``tidegate worker`` process; use ``async with LocalWorker.start(...)``."""
 
     def __init__(self, process: asyncio.subprocess.Process, url: str, stderr: IO[bytes]) -> None:
-        self.process = process
+        super().__init__(process, stderr)
         self.url = url
-        self._stderr = stderr
 
     @property
     def pid(self) -> int:
@@ -86,23 +82,8 @@ class LocalWorker:
         """Start it and wait until ready, or until ``stop`` is set (the caller checks it)."""
         device, device_vars = device_env(settings.device)
         command = worker_command(dataclasses.replace(settings, device=device), "warning")
-        env = {
-            **os.environ,
-            **device_vars,
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
         with tempfile.TemporaryFile() as stderr:
-            process = await asyncio.create_subprocess_exec(
-                *command,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=stderr,
-                env=env,
-                start_new_session=True,  # its own process group: stopped as a whole
-                preexec_fn=parent_death_signal(),
-            )
+            process = await spawn(command, stderr, stdout=asyncio.subprocess.PIPE, env=device_vars)
             worker = cls(process, "", stderr)
             try:
                 worker.url = await worker._address(ready_timeout_s)
@@ -137,23 +118,6 @@ class LocalWorker:
         if not stop.is_set():
             raise self._failure("was not ready in time")
 
-    async def stop(self) -> None:
-        """SIGTERM the process group, SIGKILL it if it lingers."""
-        if self.process.returncode is None:
-            self._signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.process.wait(), STOP_TIMEOUT_S)
-            except TimeoutError:
-                self._signal(signal.SIGKILL)
-                await self.process.wait()
-
-    def _signal(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, sig)
-
     def _failure(self, what: str) -> ReplicaFailed:
-        self._stderr.seek(0, os.SEEK_END)
-        size = self._stderr.tell()
-        self._stderr.seek(max(0, size - STDERR_TAIL_BYTES))
-        tail = self._stderr.read().decode("utf-8", "replace").strip()
+        tail = self._stderr_tail()
         return ReplicaFailed(f"worker pid {self.process.pid} {what}; its last output:\n{tail}")
