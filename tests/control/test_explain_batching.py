@@ -27,3 +27,21 @@ def test_explain_says_why_batches_left_and_the_cap_now() -> None:
     assert "last batch left by level_window; releases: level_window 1" in text
     assert "AIMD cap: last start at high P99 None ms against 100.0 ms, bounds [1, 8]" in text
     assert "emb-1: x" in text
+
+
+def test_explain_counts_the_caps_decisions() -> None:
+    config = BatchConfig(max_batch_size=8, batch_window_ms=0.0, target_p99_ms=100.0)
+    planner = BatchPlanner(config)
+    assert planner.cap is not None
+    planner.cap.cap = 2
+    queue = [Request(f"r{i}", "m", 0, 0.0) for i in range(200)]
+    for _ in range(25):  # 50 high latencies, each batch leaving a backlog behind it
+        plan = plan_batch(planner.view(queue[:9], len(queue), 1.0), config, 1.0)
+        assert isinstance(plan, Release)
+        planner.released(plan)
+        queue = queue[len(plan.batch) :]
+        planner.finished(plan.batch, 1.0, 0.9)
+    text = format_batching("emb", [("emb-0", planner.describe(1.0))])
+    assert "AIMD cap: last grow_backlog at high P99 1000.0 ms against 100.0 ms" in text
+    assert "decisions: grow_backlog 1" in text
+    assert "emb-0: cap 4 of 8" in text

@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidegate.core.batch_adapt import (
+    CAP_DECISIONS,
     AdaptiveCap,
     ArrivalRate,
+    BatchPlanner,
     CapConfig,
     decide_batch_cap,
     p99,
@@ -333,19 +335,53 @@ CAP = CapConfig(target_p99_s=0.1, max_batch_size=16, min_batch_size=2)
 
 
 @pytest.mark.parametrize(
-    ("cap", "p99_s", "expected"),
+    ("cap", "p99_s", "queueing", "backlogged", "expected"),
     [
-        (16, 0.2, (8, "decrease")),  # over target: halve
-        (3, 0.2, (2, "decrease")),  # not below the minimum
-        (2, 0.2, (2, "hold")),  # at the minimum already
-        (8, 0.05, (9, "increase")),  # well under: grow by one
-        (16, 0.05, (16, "hold")),  # at the knee: no further
-        (8, 0.09, (8, "hold")),  # in the dead band
+        (16, 0.2, False, False, (8, "decrease")),  # late from the run, no backlog: halve
+        (3, 0.2, False, False, (2, "decrease")),  # not below the minimum
+        (2, 0.2, False, False, (2, "hold")),  # at the minimum already
+        (8, 0.05, False, False, (9, "increase")),  # well under: grow by one
+        (16, 0.05, False, False, (16, "hold")),  # at the knee: no further
+        (8, 0.09, False, False, (8, "hold")),  # in the dead band
+        (8, 0.2, True, False, (9, "increase_queueing")),  # late from waiting: the cap is not it
+        (16, 0.2, True, False, (16, "hold_queueing")),  # ... and at the knee already
+        (2, 0.2, False, True, (4, "grow_backlog")),  # a backlog: double, even when late
+        (4, 0.09, True, True, (8, "grow_backlog")),  # ... whatever the latency says
+        (2, 0.05, False, True, (4, "grow_backlog")),  # ... faster than the slack's +1
+        (12, 0.2, False, True, (16, "grow_backlog")),  # ... up to the knee
+        (16, 0.2, False, True, (16, "hold_backlog")),  # at the knee: hold, never shrink
     ],
-    ids=["halve", "floor", "at_floor", "grow", "at_knee", "dead_band"],
+    ids=[
+        "halve",
+        "floor",
+        "at_floor",
+        "grow",
+        "at_knee",
+        "dead_band",
+        "late_queueing_grows_by_one",
+        "late_queueing_at_knee",
+        "backlog_doubles",
+        "backlog_doubles_whatever_p99",
+        "backlog_beats_slack",
+        "backlog_up_to_knee",
+        "backlog_at_knee",
+    ],
 )
-def test_decide_batch_cap(cap: int, p99_s: float, expected: tuple[int, str]) -> None:
-    assert decide_batch_cap(cap, p99_s, CAP) == expected
+def test_decide_batch_cap(
+    cap: int, p99_s: float, queueing: bool, backlogged: bool, expected: tuple[int, str]
+) -> None:
+    assert decide_batch_cap(cap, p99_s, CAP, queueing, backlogged) == expected
+    assert expected[1] in CAP_DECISIONS
+
+
+def test_backlog_grows_at_least_by_one_with_a_small_factor() -> None:
+    config = CapConfig(target_p99_s=0.1, max_batch_size=16, backlog_grow_factor=1.0)
+    assert decide_batch_cap(3, 0.5, config, backlogged=True) == (4, "grow_backlog")
+
+
+def test_backlog_grow_factor_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="backlog_grow_factor"):
+        CapConfig(target_p99_s=0.1, max_batch_size=16, backlog_grow_factor=0.5)
 
 
 def test_adaptive_cap_shrinks_under_late_batches_and_grows_back() -> None:
@@ -360,13 +396,175 @@ def test_adaptive_cap_shrinks_under_late_batches_and_grows_back() -> None:
     assert cap.last_decision == "increase"
 
 
+# One event for the cap: ("latency", seconds, share of it the batch ran) or ("release",
+# requests left waiting behind it).
+cap_events = st.lists(
+    st.one_of(
+        st.tuples(st.just("latency"), st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
+        st.tuples(st.just("release"), st.integers(0, 100), st.just(0.0)),
+    ),
+    max_size=300,
+)
+
+
+def _feed(cap: AdaptiveCap, events: list[tuple[str, float, float]]) -> None:
+    for kind, value, share in events:
+        if kind == "latency":
+            cap.observe(value, value * share)
+        else:
+            cap.released(int(value))
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.floats(0.0, 1.0), max_size=300), st.integers(1, 8), st.integers(8, 64))
-def test_adaptive_cap_stays_within_its_bounds(latencies: list[float], low: int, high: int) -> None:
-    cap = AdaptiveCap(CapConfig(0.1, max_batch_size=high, min_batch_size=low, num_samples=7))
-    for latency in latencies:
-        cap.observe(latency, latency / 2)
+@given(cap_events, st.integers(1, 8), st.integers(8, 64), st.floats(1.0, 4.0))
+def test_adaptive_cap_stays_within_its_bounds(
+    events: list[tuple[str, float, float]], low: int, high: int, factor: float
+) -> None:
+    cap = AdaptiveCap(
+        CapConfig(
+            0.1,
+            max_batch_size=high,
+            min_batch_size=low,
+            num_samples=7,
+            backlog_grow_factor=factor,
+        )
+    )
+    for event in events:
+        _feed(cap, [event])
         assert low <= cap.cap <= high
+        assert cap.last_decision in CAP_DECISIONS
+    assert sum(cap.decisions.values()) == sum(1 for e in events if e[0] == "latency") // 7
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cap_events,
+    st.integers(1, 4),
+    st.integers(4, 64),
+    st.floats(1.0, 4.0),
+    st.lists(st.floats(0.0, 5.0), min_size=1, max_size=10),
+    st.floats(0.0, 1.0),
+)
+def test_a_sustained_backlog_brings_the_cap_to_its_knee(
+    history: list[tuple[str, float, float]],
+    low: int,
+    high: int,
+    factor: float,
+    latencies: list[float],
+    share: float,
+) -> None:
+    """Whatever came before and whatever the latencies: every release leaving a cap's worth
+    waiting brings the cap to max_batch_size within that many decisions, and keeps it."""
+    config = CapConfig(
+        0.1, max_batch_size=high, min_batch_size=low, num_samples=5, backlog_grow_factor=factor
+    )
+    cap = AdaptiveCap(config)
+    _feed(cap, history)
+    for decision in range(high + 1):
+        for i in range(config.num_samples):
+            cap.released(cap.cap + i)  # a cap's worth or more behind every batch
+            latency = latencies[(decision + i) % len(latencies)]
+            cap.observe(latency, latency * share)
+        if decision:  # the first decision may still count what the history left pending
+            assert cap.last_decision in ("grow_backlog", "hold_backlog")
+    assert cap.cap == high
+    assert cap.last_decision == "hold_backlog"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cap_events,
+    st.integers(1, 4),
+    st.integers(4, 64),
+    st.floats(0.11, 5.0),
+    st.floats(0.5, 1.0),
+    st.integers(0, 3),
+)
+def test_late_from_its_own_run_without_a_backlog_the_cap_shrinks(
+    history: list[tuple[str, float, float]],
+    low: int,
+    high: int,
+    latency: float,
+    share: float,
+    left: int,
+) -> None:
+    """Over target, the batch's run at least half the latency, fewer than a cap's worth
+    waiting behind each batch: every decision shrinks the cap until its floor."""
+    config = CapConfig(0.1, max_batch_size=high, min_batch_size=low, num_samples=5)
+    cap = AdaptiveCap(config)
+    _feed(cap, history)
+    for decision in range(high + 1):
+        before = cap.cap
+        for _ in range(config.num_samples):
+            cap.released(min(left, cap.cap - 1))
+            cap.observe(latency, latency * share)
+        if not decision:
+            continue  # the first decision may still count what the history left pending
+        if before > low:
+            assert cap.cap < before
+            assert cap.last_decision == "decrease"
+        else:
+            assert cap.cap == low
+    assert cap.cap == low
+
+
+def test_a_cap_halved_early_grows_back_under_the_backlog_it_causes() -> None:
+    """The measured failure: halved while batches were short and late from their run, the
+    cap then held under the backlog it caused. Now the backlog grows it back to the knee."""
+    config = CapConfig(target_p99_s=0.1, max_batch_size=8, num_samples=10)
+    cap = AdaptiveCap(config)
+    for _ in range(20):  # short batches, late from their own run, nothing waiting
+        cap.released(0)
+        cap.observe(0.3, 0.2)
+    assert cap.cap == 2
+    assert cap.last_decision == "decrease"
+    for _ in range(20):  # a backlog builds behind batches of 2: late from waiting
+        cap.released(40)
+        cap.observe(2.0, 0.05)
+    assert cap.cap == 8
+    assert cap.last_decision == "grow_backlog"
+    assert {k: v for k, v in cap.decisions.items() if v} == {"decrease": 2, "grow_backlog": 2}
+
+
+def test_only_most_releases_leaving_a_backlog_count_as_one() -> None:
+    config = CapConfig(target_p99_s=0.1, max_batch_size=8, num_samples=4)
+    cap = AdaptiveCap(config)
+    cap.cap = 4
+    for left in (10, 0, 0):  # one release in three left a cap's worth: no backlog
+        cap.released(left)
+    for _ in range(4):
+        cap.observe(0.3, 0.2)
+    assert (cap.cap, cap.last_decision) == (2, "decrease")
+    for left in (2, 3):  # half the releases left a cap's worth (2) waiting: a backlog
+        cap.released(left)
+    for _ in range(4):
+        cap.observe(0.3, 0.2)
+    assert (cap.cap, cap.last_decision) == (4, "grow_backlog")
+
+
+def test_planner_tells_the_cap_what_each_release_left_waiting() -> None:
+    """Through plan_batch as the worker and the simulator call it: a queue of 20 with a cap
+    of 2 leaves 18, 16, ... behind each batch, a backlog: the first 10 high latencies (late,
+    from waiting) grow the cap; /stats and explain count each decision."""
+    config = BatchConfig(max_batch_size=4, batch_window_ms=0.0)
+    planner = BatchPlanner(config, CapConfig(target_p99_s=0.1, max_batch_size=4, num_samples=10))
+    assert planner.cap is not None
+    planner.cap.cap = 2
+    queue = [req(f"r{i}", 0, 0.0) for i in range(20)]
+    now = 1.0
+    while queue:
+        plan = plan_batch(planner.view(queue[: planner.peek_size], len(queue), now), config, now)
+        assert isinstance(plan, Release)
+        planner.released(plan)
+        queue = queue[len(plan.batch) :]
+        planner.finished(plan.batch, now + 0.5, now + 0.45)  # late (0.5 s), from waiting
+        now += 0.05
+    described = planner.describe(now)
+    assert described["max_batch_size"] == 4
+    # Then the backlog is drained (one release in three left a cap's worth): late from
+    # waiting at the knee, the cap holds.
+    assert described["adaptive_cap"]["decisions"] == {"grow_backlog": 1, "hold_queueing": 1}
+    assert described["adaptive_cap"]["last_decision"] == "hold_queueing"
 
 
 def test_p99_is_nearest_rank() -> None:

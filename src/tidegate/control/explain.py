@@ -114,10 +114,14 @@ def format_batching(model: str, replicas: list[tuple[str, dict[str, Any]]]) -> s
         )
         cap = batching.get("adaptive_cap")
         if cap:
+            # decisions: grow_backlog / hold_backlog (a cap's worth left waiting behind most
+            # batches), increase_queueing / hold_queueing (late from waiting), decrease
+            # (late from the batch's own run), increase, hold (core.batch_adapt)
+            decisions = ", ".join(f"{k} {v}" for k, v in cap.get("decisions", {}).items())
             lines.append(
                 f"    AIMD cap: last {cap.get('last_decision')} at high P99 "
                 f"{cap.get('last_p99_ms')} ms against {cap.get('target_p99_ms')} ms, "
-                f"bounds {cap.get('bounds')}"
+                f"bounds {cap.get('bounds')}; decisions: {decisions or 'none yet'}"
             )
     return "\n".join(lines)
 

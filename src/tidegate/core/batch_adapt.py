@@ -9,15 +9,31 @@ and the simulator drive them identically and tests drive them with made-up times
   second (exact for a steady Poisson stream in expectation, once ``tau_s`` has passed). It
   forgets a burst within a few ``tau_s``.
 - ``AdaptiveCap``: AIMD on the batch's count bound, driven by the most urgent level's
-  latency. Every ``num_samples`` latencies of that level it takes their P99: over the
-  target, the cap is multiplied by ``decrease_factor`` (a batch that makes urgent requests
-  late shrinks fast), unless those requests spent more of their time (median) waiting than
-  running: then the latency is queueing, a smaller batch would only drain the queue slower
-  (measured: the cap spiralled to 1 and throughput fell to a third), and the cap holds;
-  under ``grow_below`` x target, it grows by one (slowly, back towards the throughput of
-  large batches); in between it holds (the dead band keeps it from
-  flapping). It stays within ``[min_batch_size, max_batch_size]``: the upper bound is the
-  configured maximum, which the profile's knee sets (``tidegate profile`` recommends it).
+  latency and by the backlog batches leave behind. Every ``num_samples`` latencies of that
+  level it decides, from their P99 against the target, whether those requests spent more of
+  their time (median) waiting than running ("queueing"), and whether at least half the
+  releases since the last decision left a cap's worth of requests still waiting
+  ("backlog"), in this order:
+
+  1. backlog: the cap is multiplied by ``backlog_grow_factor`` (at least +1) up to
+     ``max_batch_size`` (``grow_backlog``; ``hold_backlog`` at the bound), whatever the
+     P99. A full next batch already waits, so the cap is what limits throughput: a larger
+     batch drains the backlog in fewer, cheaper-per-request runs (the knee is where that
+     stops paying). Measured before this rule: a cap halved while batches were short and
+     held under a backlog cost 32% of the throughput at the knee and 50% at 2x overload.
+  2. over target and queueing: +1 (``increase_queueing``; ``hold_queueing`` at the bound).
+     The wait, not the batch, makes the level late; a smaller batch only drains the queue
+     slower (measured: the cap spiralled to 1 and throughput fell to a third).
+  3. over target, the batch's run time dominating and no backlog: multiplied by
+     ``decrease_factor`` (``decrease``; ``hold`` at the floor). Only here is the batch
+     itself what makes urgent requests late, and nothing waits that a larger batch drains.
+  4. under ``grow_below`` x target: +1 (``increase``), slowly back towards the throughput of
+     large batches; in between it holds (``hold``: the dead band keeps it from flapping).
+
+  Rules 1 and 3 cannot both apply, so a steady state does not flap between them; the cap
+  settles where its batches just keep up. It stays within ``[min_batch_size,
+  max_batch_size]``: the upper bound is the configured maximum, which the profile's knee
+  sets (``tidegate profile`` recommends it).
 - ``BatchPlanner`` holds one replica's rule, rate and cap, and counts why batches left.
 """
 
@@ -75,6 +91,7 @@ class CapConfig:
     num_samples: int = 50  # latencies per decision
     decrease_factor: float = 0.5  # over target: cap *= this
     grow_below: float = 0.8  # P99 under this share of the target: cap += 1
+    backlog_grow_factor: float = 2.0  # a cap's worth left waiting: cap *= this (>= +1)
 
     def __post_init__(self) -> None:
         if self.target_p99_s <= 0:
@@ -90,6 +107,8 @@ class CapConfig:
             raise ValueError(f"decrease_factor must be in (0, 1), got {self.decrease_factor}")
         if not 0 < self.grow_below <= 1:
             raise ValueError(f"grow_below must be in (0, 1], got {self.grow_below}")
+        if self.backlog_grow_factor < 1:
+            raise ValueError(f"backlog_grow_factor must be >= 1, got {self.backlog_grow_factor}")
 
 
 def p99(samples: list[float]) -> float:
@@ -98,24 +117,58 @@ def p99(samples: list[float]) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
+# Why the cap moved or not: what /stats and explain show (the module note's rules).
+CAP_DECISIONS = (
+    "start",  # no decision yet: the cap starts at max_batch_size
+    "grow_backlog",  # rule 1: a cap's worth was left waiting: a larger batch drains it
+    "hold_backlog",  # rule 1 at max_batch_size
+    "increase_queueing",  # rule 2: late from waiting, not from the batch: +1
+    "hold_queueing",  # rule 2 at max_batch_size
+    "decrease",  # rule 3: late from the batch's own run time, no backlog: shrink
+    "increase",  # rule 4: slack under grow_below x target: +1
+    "hold",  # the dead band, or rule 3 / 4 at a bound
+)
+
+
 def decide_batch_cap(
-    cap: int, p99_s: float, config: CapConfig, queueing: bool = False
+    cap: int,
+    p99_s: float,
+    config: CapConfig,
+    queueing: bool = False,
+    backlogged: bool = False,
 ) -> tuple[int, str]:
-    """The next cap and why: ``decrease``, ``increase``, ``hold`` or ``hold_queueing``."""
-    if p99_s > config.target_p99_s and queueing:
-        return cap, "hold_queueing"  # the wait is the queue's: shrinking would slow the drain
-    if p99_s > config.target_p99_s:
-        shrunk = max(config.min_batch_size, math.floor(cap * config.decrease_factor))
+    """The next cap and why (one of ``CAP_DECISIONS``; the module note's rules in order)."""
+    low, high = config.min_batch_size, config.max_batch_size
+    cap = min(max(cap, low), high)
+    if backlogged:
+        grown = min(high, max(cap + 1, math.floor(cap * config.backlog_grow_factor)))
+        return (grown, "grow_backlog") if grown > cap else (cap, "hold_backlog")
+    over = p99_s > config.target_p99_s
+    if over and queueing:
+        return (cap + 1, "increase_queueing") if cap < high else (cap, "hold_queueing")
+    if over:
+        shrunk = max(low, math.floor(cap * config.decrease_factor))
         return shrunk, "decrease" if shrunk < cap else "hold"
-    if p99_s < config.grow_below * config.target_p99_s and cap < config.max_batch_size:
+    if p99_s < config.grow_below * config.target_p99_s and cap < high:
         return cap + 1, "increase"
-    return min(max(cap, config.min_batch_size), config.max_batch_size), "hold"
+    return cap, "hold"
 
 
 class AdaptiveCap:
-    """The cap and the latencies since the last decision (see the module note)."""
+    """The cap, the latencies and the releases since the last decision (the module note)."""
 
-    __slots__ = ("_runs", "_samples", "_waits", "cap", "config", "last_decision", "last_p99_s")
+    __slots__ = (
+        "_backlogged",
+        "_releases",
+        "_runs",
+        "_samples",
+        "_waits",
+        "cap",
+        "config",
+        "decisions",
+        "last_decision",
+        "last_p99_s",
+    )
 
     def __init__(self, config: CapConfig) -> None:
         self.config = config
@@ -123,8 +176,18 @@ class AdaptiveCap:
         self._samples: list[float] = []
         self._waits: list[float] = []
         self._runs: list[float] = []
+        self._releases = 0
+        self._backlogged = 0
         self.last_p99_s: float | None = None
         self.last_decision = "start"
+        self.decisions: dict[str, int] = dict.fromkeys(CAP_DECISIONS[1:], 0)
+
+    def released(self, left_waiting: int) -> None:
+        """A batch left; ``left_waiting`` requests stayed queued behind it. A cap's worth
+        or more is a backlog: the next batch is full before it starts."""
+        self._releases += 1
+        if left_waiting >= self.cap:
+            self._backlogged += 1
 
     def observe(self, latency_s: float, run_s: float) -> None:
         """One request of the most urgent level: its latency and the part its batch ran
@@ -135,12 +198,16 @@ class AdaptiveCap:
         if len(self._samples) >= self.config.num_samples:
             self.last_p99_s = p99(self._samples)
             queueing = _median(self._waits) > _median(self._runs)
+            backlogged = self._releases > 0 and 2 * self._backlogged >= self._releases
             self._samples.clear()
             self._waits.clear()
             self._runs.clear()
+            self._releases = 0
+            self._backlogged = 0
             self.cap, self.last_decision = decide_batch_cap(
-                self.cap, self.last_p99_s, self.config, queueing
+                self.cap, self.last_p99_s, self.config, queueing, backlogged
             )
+            self.decisions[self.last_decision] += 1
 
 
 def _median(samples: list[float]) -> float:
@@ -160,7 +227,7 @@ class BatchPlanner:
     queue); ``finished`` when the engine answered it.
     """
 
-    __slots__ = ("cap", "config", "last_reason", "rate", "releases")
+    __slots__ = ("_num_queued", "cap", "config", "last_reason", "rate", "releases")
 
     def __init__(
         self, config: BatchConfig, cap: CapConfig | None = None, rate_tau_s: float = 1.0
@@ -181,6 +248,7 @@ class BatchPlanner:
         self.cap = AdaptiveCap(cap) if cap is not None else None
         self.releases: dict[str, int] = dict.fromkeys(RELEASE_REASONS, 0)
         self.last_reason: str | None = None
+        self._num_queued = 0  # the last view's queue length: what a release left behind
 
     @property
     def peek_size(self) -> int:
@@ -197,14 +265,18 @@ class BatchPlanner:
 
     def view(self, head: Sequence[Request], num_queued: int, now: float) -> BatchView:
         """What ``plan_batch`` sees now: the head, with the rate and the cap."""
+        self._num_queued = num_queued
         rate = self.rate.rate_per_s(now) if self.rate is not None else None
         cap = self.cap.cap if self.cap is not None else None
         return BatchView(head, num_queued, rate, cap)
 
     def released(self, release: Release) -> None:
-        """Count why a batch left (for /stats and explain)."""
+        """Count why a batch left (for /stats and explain); tell the cap how many stayed
+        queued behind it (the last ``view``'s queue less the batch)."""
         self.releases[release.reason] += 1
         self.last_reason = release.reason
+        if self.cap is not None:
+            self.cap.released(max(0, self._num_queued - len(release.batch)))
 
     def take(self, queue: WaitQueue, release: Release, now: float) -> tuple[Request, ...]:
         """Remove exactly the released requests from ``queue`` (peeked at ``now``).
@@ -250,6 +322,7 @@ class BatchPlanner:
                 if self.cap.last_p99_s is None
                 else round(self.cap.last_p99_s * 1e3, 3),
                 "last_decision": self.cap.last_decision,
+                "decisions": {k: v for k, v in self.cap.decisions.items() if v},
                 "bounds": [self.cap.config.min_batch_size, self.cap.config.max_batch_size],
             }
         return described
