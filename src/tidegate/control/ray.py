@@ -33,6 +33,8 @@ end with the gateway even when it is killed. ``ray`` is an optional extra, impor
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -60,8 +62,27 @@ STOP_GRACE_S = 5.0  # on top of a stop's timeout_s, for the actor's own shutdown
 
 
 def _future(ref: Any) -> asyncio.Future[Any]:
-    """An ObjectRef as an asyncio future of this loop."""
-    return asyncio.wrap_future(ref.future())
+    """An ObjectRef as an asyncio future of this loop.
+
+    Cancelling it (a timeout, a stop) does not cancel the ref's own future: Ray Client
+    (``ray://``) sets a result on that future without checking, and logs an
+    ``InvalidStateError`` from its data thread for every one that was cancelled.
+    """
+    source: concurrent.futures.Future[Any] = ref.future()
+    proxy: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    source.add_done_callback(functools.partial(_settle, proxy))
+    return asyncio.wrap_future(proxy)
+
+
+def _settle(proxy: concurrent.futures.Future[Any], source: concurrent.futures.Future[Any]) -> None:
+    """Pass ``source``'s outcome on to ``proxy`` unless the proxy was cancelled meanwhile."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if source.cancelled():
+            proxy.cancel()
+        elif (exc := source.exception()) is not None:
+            proxy.set_exception(exc)
+        else:
+            proxy.set_result(source.result())
 
 
 async def _result(ref: Any, timeout_s: float) -> Any:
