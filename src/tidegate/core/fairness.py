@@ -109,7 +109,8 @@ class VirtualTokenCounters:
 
     # ------------------------------------------------------------------ backlog
     def arrive(self, tenant: str) -> None:
-        """One more queued request of ``tenant``; a newcomer's counter is lifted first."""
+        """One more unit of ``tenant``'s backlog (a queued request; WaitQueue counts a level
+        where it has requests queued); a newcomer's counter is lifted first."""
         queued = self._backlog.get(tenant, 0)
         if queued == 0:
             self._lift(tenant)
@@ -118,7 +119,7 @@ class VirtualTokenCounters:
         self._backlog[tenant] = queued + 1
 
     def leave(self, tenant: str) -> None:
-        """One queued request of ``tenant`` left the queue (picked, shed, expired...)."""
+        """One unit of ``tenant``'s backlog left (``arrive``): picked, shed, expired..."""
         queued = self._backlog[tenant] - 1
         if queued:
             self._backlog[tenant] = queued
@@ -236,8 +237,8 @@ class VirtualTokenCounters:
         return best
 
     def describe(self) -> dict[str, dict[str, float | int]]:
-        """Per tenant: its counter, queued requests, slots held and slot share (for /admin
-        and ``tidegate explain``)."""
+        """Per tenant: its counter, backlog (``arrive``'s units), slots held and slot share
+        (for /admin and ``tidegate explain``, through ``WaitQueue.tenants``)."""
         tenants = sorted(set(self._counters) | set(self._backlog) | set(self._held))
         return {
             tenant: {

@@ -24,9 +24,12 @@ exceptions keep aging's promise, both decided on the level head, which is also i
 request: when the head is eligible only by aging (a pick for more urgent pools), or when its
 level won over a more urgent level's head by aging, the head itself is taken: an aged request
 is always taken once past its level, never replaced by a fresh one of another tenant. With
-one tenant in the level, the level keeps no per-tenant FIFOs and the pick is the FIFO's. A
-pick charges the tenant its request's estimate; ``settle`` corrects that with the tokens
-served. With fair sharing, admission sheds by tenant too (``admit``).
+one tenant in the level, the level keeps no per-tenant FIFOs and the pick is the FIFO's; the
+counters hear of a tenant's backlog only when one of its levels fills or empties (``arrive``
+and ``leave`` count levels, not requests), so a steady single-tenant admission or pick costs
+no call into them but the pick's charge. A pick charges the tenant its request's estimate;
+``settle`` corrects that with the tokens served. With fair sharing, admission sheds by
+tenant too (``admit``).
 
 Slot shares (fair sharing, ``set_slots``): a pick also gives its tenant a slot, until the
 caller says the request ended (``vacate``) or puts it back (``requeue``). Inside the level,
@@ -290,8 +293,18 @@ class WaitQueue:
         }
 
     def tenants(self) -> dict[str, dict[str, float | int]]:
-        """Per tenant: its virtual token counter and queued requests; {} without fairness."""
-        return {} if self.fair is None else self.fair.describe()
+        """Per tenant: its virtual token counter, queued requests and slots; {} without
+        fairness."""
+        if self.fair is None:
+            return {}
+        described = self.fair.describe()
+        queued: dict[str, int] = {}
+        for level in range(len(self._fifos)):
+            for tenant, depth in self.tenant_depths(level).items():
+                queued[tenant] = queued.get(tenant, 0) + depth
+        for tenant, state in described.items():
+            state["queued"] = queued.get(tenant, 0)  # the counters count levels, not requests
+        return described
 
     def tenant_depths(self, level: int) -> dict[str, int]:
         """Queued requests per tenant at ``level`` ({} without fairness)."""
@@ -544,7 +557,8 @@ class WaitQueue:
     def _insert(self, request: Request, deadline_at: float | None) -> None:
         entry = _Entry(request, deadline_at, self._seq)
         self._seq += 1
-        fifo = self._fifos[request.priority]
+        level = request.priority
+        fifo = self._fifos[level]
         if not fifo or fifo[-1].request.arrival_at <= request.arrival_at:
             fifo.append(entry)  # the common case: a new arrival
         else:
@@ -556,31 +570,41 @@ class WaitQueue:
                 if queued.request.arrival_at > request.arrival_at
             )
             fifo.insert(position, entry)
-        if self.fair is not None:
+        if self.fair is not None and not (  # the sole tenant's next request: nothing to tell
+            self._tenant_fifos[level] is None
+            and self._depths[level]
+            and request.tenant == self._sole[level]
+        ):
             self._insert_tenant(entry)
         self._live[request.id] = entry
-        self._depths[request.priority] += 1
+        self._depths[level] += 1
         self._num_tokens += request.cost_tokens
         if deadline_at is not None:
             heapq.heappush(self._deadlines, (deadline_at, entry.seq, entry))
 
     def _insert_tenant(self, entry: _Entry) -> None:
-        """Called with ``entry`` already in its level FIFO, before the depth counts it."""
+        """Called with ``entry`` already in its level FIFO, before the depth counts it. The
+        counters hear of it only when its tenant had nothing queued at its level."""
         request = entry.request
         tenant = request.tenant
         level = request.priority
-        assert self.fair is not None
-        self.fair.arrive(tenant)
+        fair = self.fair
+        assert fair is not None
         fifos = self._tenant_fifos[level]
         if fifos is None:
             if not self._depths[level]:
                 self._sole[level] = tenant
+                fair.arrive(tenant)
             elif tenant != self._sole[level]:
-                self._split(level)
-            return
+                self._split(level)  # counts ``entry``, already in the level FIFO
+                fair.arrive(tenant)
+            return  # (the sole tenant's next request: nothing to tell)
         depths = self._tenant_depths[level]
         assert depths is not None
-        depths[tenant] = depths.get(tenant, 0) + 1
+        depth = depths.get(tenant, 0)
+        if not depth:
+            fair.arrive(tenant)
+        depths[tenant] = depth + 1
         fifo = fifos.get(tenant)
         if fifo is None:
             fifos[tenant] = deque((entry,))
@@ -617,7 +641,6 @@ class WaitQueue:
         tenant = entry.request.tenant
         level = entry.request.priority
         assert self.fair is not None
-        self.fair.leave(tenant)
         fifos = self._tenant_fifos[level]
         assert fifos is not None
         depths = self._tenant_depths[level]
@@ -633,6 +656,7 @@ class WaitQueue:
         else:
             del depths[tenant]
             del fifos[tenant]
+            self.fair.leave(tenant)  # its last request at this level
             if not depths:  # the level is empty: back to the single-tenant path
                 self._tenant_fifos[level] = self._tenant_depths[level] = None
 
@@ -642,7 +666,8 @@ class WaitQueue:
         level = entry.request.priority
         if self.fair is not None:
             if self._tenant_fifos[level] is None:  # one tenant in the level: no FIFO of its own
-                self.fair.leave(entry.request.tenant)
+                if self._depths[level] == 1:  # its last request here
+                    self.fair.leave(entry.request.tenant)
             else:
                 self._remove_tenant(entry)
         self._depths[level] -= 1
