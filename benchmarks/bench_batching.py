@@ -10,7 +10,10 @@ batch leaves once under one arrival is expected in what is left of its window) a
 Parts (each optional):
 1. ``sim``: the simulator on the minilm CPU profile (benchmarks/profiles/minilm-cpu), at 10%
    of its capacity (low load), 100% (the knee) and 200% (overload), through the gateway's
-   queue and the worker's, in virtual time (deterministic, machine-independent).
+   queue and the worker's, in virtual time (deterministic, machine-independent); then at
+   the knee and at 200% of a machine ``SLOW`` times slower (every batch costs that many times
+   the profile's), where a batch of 8 runs past the 100 ms target and the AIMD cap binds, as
+   on the real workers of the slow, shared machine of 2026-12-02.
 2. ``real``: two real ``tidegate worker --model minilm`` processes, fixed and adaptive, the
    same seeded open loops (benchmarks/loadgen.py) sent to each in turn (ABAB per load) at
    low load, at the fixed worker's measured closed-loop capacity and at twice it. Latency
@@ -47,7 +50,7 @@ import loadgen
 from summary import write_verdicts
 from tidegate.config import parse_config
 from tidegate.sim.run import Scenario, Simulation
-from tidegate.sim.service import load_service
+from tidegate.sim.service import BatchService, ServiceModel, load_service
 from tidegate.sim.workload import Arrival, Listed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +69,7 @@ ADAPTIVE: dict[str, Any] = {
 }
 ADAPTIVE_FLAGS = ("--level-windows-ms", "0,,", "--load-aware-window", "--target-p99-ms", "100")
 LENGTH_FLAGS = {"length_candidates": 64, "max_padding_ratio": 1.25}
+SLOW = 3.0  # the slow machine of the simulated part: every batch costs 3x the profile's
 
 
 def _verdict(ok: bool, text: str) -> str:
@@ -75,7 +79,33 @@ def _verdict(ok: bool, text: str) -> str:
 # ------------------------------------------------------------------ simulator
 
 
-def _sim_run(batching: dict[str, Any], rate: float, duration_s: float) -> dict[str, float]:
+class _Slowed:
+    """A batch service ``factor`` times slower than ``inner``."""
+
+    def __init__(self, inner: BatchService, factor: float) -> None:
+        self.inner = inner
+        self.factor = factor
+
+    def batch_s(self, num_requests: int, num_tokens: int) -> float:
+        return self.factor * self.inner.batch_s(num_requests, num_tokens)
+
+
+def _service(slowdown: float) -> ServiceModel:
+    service = load_service(str(PROFILE))
+    if slowdown == 1.0:
+        return service
+    assert service.batch is not None
+    return ServiceModel(
+        f"{service.name} x{slowdown:g}",
+        service.task,
+        batch=_Slowed(service.batch, slowdown),
+        source=service.source,
+    )
+
+
+def _sim_run(
+    batching: dict[str, Any], rate: float, duration_s: float, slowdown: float = 1.0
+) -> dict[str, float]:
     data = {
         "models": [
             {
@@ -92,7 +122,7 @@ def _sim_run(batching: dict[str, Any], rate: float, duration_s: float) -> dict[s
         Arrival(at, 14, 0, cls) for at, cls in loadgen.poisson(rate, duration_s, 7, MIX, 10_000_000)
     ]
     scenario = Scenario(
-        config, "emb", load_service(str(PROFILE)), Listed("poisson", arrivals), {"shared": 1}
+        config, "emb", _service(slowdown), Listed("poisson", arrivals), {"shared": 1}
     )
     result = Simulation(scenario).run()
     high = next(s for s in result.recorder.classes if s.name == "high")
@@ -112,13 +142,25 @@ def sim_part(quick: bool) -> list[str]:
     assert service.batch is not None
     capacity = MAX_BATCH / service.batch.batch_s(MAX_BATCH, 0)
     print(f"\n## Simulator (profile {PROFILE.name}: capacity {capacity:.0f} req/s at batch 8)\n")
+    print(
+        f"The slow rows: every batch costs {SLOW:g}x the profile's (capacity "
+        f"{capacity / SLOW:.0f} req/s, a batch of 8 takes "
+        f"{1e3 * SLOW * service.batch.batch_s(MAX_BATCH, 0):.0f} ms).\n"
+    )
     print("| load | rule | high p50 ms | high p99 ms | throughput req/s | completed/offered |")
     print("|---|---|---:|---:|---:|---:|")
     verdicts = []
     duration = 30.0 if quick else 120.0
-    for name, share in (("low 10%", 0.1), ("knee 100%", 1.0), ("overload 200%", 2.0)):
+    for name, share, slowdown in (
+        ("low 10%", 0.1, 1.0),
+        ("knee 100%", 1.0, 1.0),
+        ("overload 200%", 2.0, 1.0),
+        (f"slow {SLOW:g}x knee 100%", 1.0, SLOW),
+        (f"slow {SLOW:g}x overload 200%", 2.0, SLOW),
+    ):
+        rate = capacity / slowdown * share
         rows = {
-            rule: _sim_run(batching, capacity * share, duration)
+            rule: _sim_run(batching, rate, duration, slowdown)
             for rule, batching in (("fixed", FIXED), ("adaptive", ADAPTIVE))
         }
         for rule, row in rows.items():
@@ -215,6 +257,11 @@ def real_part(quick: bool) -> list[str]:
     verdicts: list[str] = []
     try:
         capacity = asyncio.run(_capacity(fixed.url, 4.0 if quick else 8.0))
+        if capacity < 20:  # low load (capacity / 10) would send next to nothing
+            raise RuntimeError(
+                f"the fixed worker's capacity is {capacity:.1f} req/s: the machine is too "
+                f"busy to measure this part, run it again later"
+            )
         seconds = 8.0 if quick else 15.0
         print(f"\n## Real minilm workers (fixed worker's closed-loop capacity {capacity:.0f}/s)\n")
         print("| load | rule | high p50 ms | high p99 ms | throughput req/s | completed/offered |")

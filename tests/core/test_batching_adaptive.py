@@ -335,21 +335,33 @@ CAP = CapConfig(target_p99_s=0.1, max_batch_size=16, min_batch_size=2)
 
 
 @pytest.mark.parametrize(
-    ("cap", "p99_s", "queueing", "backlogged", "expected"),
+    ("cap", "p99_s", "queueing", "backlogged", "full", "expected"),
     [
-        (16, 0.2, False, False, (8, "decrease")),  # late from the run, no backlog: halve
-        (3, 0.2, False, False, (2, "decrease")),  # not below the minimum
-        (2, 0.2, False, False, (2, "hold")),  # at the minimum already
-        (8, 0.05, False, False, (9, "increase")),  # well under: grow by one
-        (16, 0.05, False, False, (16, "hold")),  # at the knee: no further
-        (8, 0.09, False, False, (8, "hold")),  # in the dead band
-        (8, 0.2, True, False, (9, "increase_queueing")),  # late from waiting: the cap is not it
-        (16, 0.2, True, False, (16, "hold_queueing")),  # ... and at the knee already
-        (2, 0.2, False, True, (4, "grow_backlog")),  # a backlog: double, even when late
-        (4, 0.09, True, True, (8, "grow_backlog")),  # ... whatever the latency says
-        (2, 0.05, False, True, (4, "grow_backlog")),  # ... faster than the slack's +1
-        (12, 0.2, False, True, (16, "grow_backlog")),  # ... up to the knee
-        (16, 0.2, False, True, (16, "hold_backlog")),  # at the knee: hold, never shrink
+        (16, 0.2, False, False, False, (8, "decrease")),  # late from the run, no backlog: halve
+        (3, 0.2, False, False, False, (2, "decrease")),  # not below the minimum
+        (2, 0.2, False, False, False, (2, "hold")),  # at the minimum already
+        (8, 0.05, False, False, False, (9, "increase")),  # well under: grow by one
+        (16, 0.05, False, False, False, (16, "hold")),  # at the knee: no further
+        (8, 0.09, False, False, False, (8, "hold")),  # in the dead band
+        (
+            8,
+            0.2,
+            True,
+            False,
+            False,
+            (9, "increase_queueing"),
+        ),  # late from waiting: the cap is not it
+        (16, 0.2, True, False, False, (16, "hold_queueing")),  # ... and at the knee already
+        (2, 0.2, False, True, False, (4, "grow_backlog")),  # a backlog: double, even when late
+        (4, 0.09, True, True, False, (8, "grow_backlog")),  # ... whatever the latency says
+        (2, 0.05, False, True, False, (4, "grow_backlog")),  # ... faster than the slack's +1
+        (12, 0.2, False, True, False, (16, "grow_backlog")),  # ... up to the knee
+        (16, 0.2, False, True, False, (16, "hold_backlog")),  # at the knee: hold, never shrink
+        (8, 0.2, False, False, True, (8, "hold_full")),  # late from the run, batches fill it
+        (2, 0.2, False, False, True, (2, "hold_full")),  # ... saturated: never shrink it
+        (4, 0.2, True, False, True, (5, "increase_queueing")),  # full, and late from waiting
+        (4, 0.2, False, True, True, (8, "grow_backlog")),  # full, and a cap's worth waits
+        (4, 0.05, False, False, True, (5, "increase")),  # full, with slack: grow
     ],
     ids=[
         "halve",
@@ -365,12 +377,22 @@ CAP = CapConfig(target_p99_s=0.1, max_batch_size=16, min_batch_size=2)
         "backlog_beats_slack",
         "backlog_up_to_knee",
         "backlog_at_knee",
+        "full_holds",
+        "full_holds_at_any_cap",
+        "full_late_queueing_grows",
+        "full_backlog_grows",
+        "full_slack_grows",
     ],
 )
 def test_decide_batch_cap(
-    cap: int, p99_s: float, queueing: bool, backlogged: bool, expected: tuple[int, str]
+    cap: int,
+    p99_s: float,
+    queueing: bool,
+    backlogged: bool,
+    full: bool,
+    expected: tuple[int, str],
 ) -> None:
-    assert decide_batch_cap(cap, p99_s, CAP, queueing, backlogged) == expected
+    assert decide_batch_cap(cap, p99_s, CAP, queueing, backlogged, full) == expected
     assert expected[1] in CAP_DECISIONS
 
 
@@ -397,22 +419,22 @@ def test_adaptive_cap_shrinks_under_late_batches_and_grows_back() -> None:
 
 
 # One event for the cap: ("latency", seconds, share of it the batch ran) or ("release",
-# requests left waiting behind it).
+# requests left waiting behind it, the batch's size).
 cap_events = st.lists(
     st.one_of(
         st.tuples(st.just("latency"), st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
-        st.tuples(st.just("release"), st.integers(0, 100), st.just(0.0)),
+        st.tuples(st.just("release"), st.integers(0, 100), st.integers(1, 64)),
     ),
     max_size=300,
 )
 
 
 def _feed(cap: AdaptiveCap, events: list[tuple[str, float, float]]) -> None:
-    for kind, value, share in events:
+    for kind, value, other in events:
         if kind == "latency":
-            cap.observe(value, value * share)
+            cap.observe(value, value * other)
         else:
-            cap.released(int(value))
+            cap.released(int(other), int(value))
 
 
 @settings(max_examples=200, deadline=None)
@@ -462,7 +484,7 @@ def test_a_sustained_backlog_brings_the_cap_to_its_knee(
     _feed(cap, history)
     for decision in range(high + 1):
         for i in range(config.num_samples):
-            cap.released(cap.cap + i)  # a cap's worth or more behind every batch
+            cap.released(cap.cap, cap.cap + i)  # full, a cap's worth or more behind it
             latency = latencies[(decision + i) % len(latencies)]
             cap.observe(latency, latency * share)
         if decision:  # the first decision may still count what the history left pending
@@ -488,15 +510,15 @@ def test_late_from_its_own_run_without_a_backlog_the_cap_shrinks(
     share: float,
     left: int,
 ) -> None:
-    """Over target, the batch's run at least half the latency, fewer than a cap's worth
-    waiting behind each batch: every decision shrinks the cap until its floor."""
+    """Over target, the batch's run at least half the latency, batches under the cap with
+    fewer than a cap's worth behind them: every decision shrinks the cap to its floor."""
     config = CapConfig(0.1, max_batch_size=high, min_batch_size=low, num_samples=5)
     cap = AdaptiveCap(config)
     _feed(cap, history)
     for decision in range(high + 1):
         before = cap.cap
         for _ in range(config.num_samples):
-            cap.released(min(left, cap.cap - 1))
+            cap.released(max(1, cap.cap - 1), min(left, cap.cap - 1))
             cap.observe(latency, latency * share)
         if not decision:
             continue  # the first decision may still count what the history left pending
@@ -508,18 +530,50 @@ def test_late_from_its_own_run_without_a_backlog_the_cap_shrinks(
     assert cap.cap == low
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    cap_events,
+    st.integers(1, 4),
+    st.integers(4, 64),
+    st.floats(0.11, 5.0),
+    st.floats(0.5, 1.0),
+    st.integers(0, 3),
+)
+def test_batches_that_fill_the_cap_never_shrink_it(
+    history: list[tuple[str, float, float]],
+    low: int,
+    high: int,
+    latency: float,
+    share: float,
+    left: int,
+) -> None:
+    """Over target from the run, but every batch fills the cap (saturated, the backlog out
+    of sight behind a gateway): a smaller cap would serve less than arrives, so it holds."""
+    config = CapConfig(0.1, max_batch_size=high, min_batch_size=low, num_samples=5)
+    cap = AdaptiveCap(config)
+    _feed(cap, history)
+    for decision in range(high + 1):
+        before = cap.cap
+        for _ in range(config.num_samples):
+            cap.released(cap.cap, min(left, cap.cap - 1))
+            cap.observe(latency, latency * share)
+        if decision:  # the first decision may still count what the history left pending
+            assert cap.cap == before
+            assert cap.last_decision == "hold_full"
+
+
 def test_a_cap_halved_early_grows_back_under_the_backlog_it_causes() -> None:
     """The measured failure: halved while batches were short and late from their run, the
     cap then held under the backlog it caused. Now the backlog grows it back to the knee."""
     config = CapConfig(target_p99_s=0.1, max_batch_size=8, num_samples=10)
     cap = AdaptiveCap(config)
     for _ in range(20):  # short batches, late from their own run, nothing waiting
-        cap.released(0)
+        cap.released(1, 0)
         cap.observe(0.3, 0.2)
     assert cap.cap == 2
     assert cap.last_decision == "decrease"
     for _ in range(20):  # a backlog builds behind batches of 2: late from waiting
-        cap.released(40)
+        cap.released(2, 40)
         cap.observe(2.0, 0.05)
     assert cap.cap == 8
     assert cap.last_decision == "grow_backlog"
@@ -530,13 +584,13 @@ def test_only_most_releases_leaving_a_backlog_count_as_one() -> None:
     config = CapConfig(target_p99_s=0.1, max_batch_size=8, num_samples=4)
     cap = AdaptiveCap(config)
     cap.cap = 4
-    for left in (10, 0, 0):  # one release in three left a cap's worth: no backlog
-        cap.released(left)
+    for size, left in ((4, 10), (1, 0), (2, 0)):  # one in three full, or left a backlog
+        cap.released(size, left)
     for _ in range(4):
         cap.observe(0.3, 0.2)
     assert (cap.cap, cap.last_decision) == (2, "decrease")
-    for left in (2, 3):  # half the releases left a cap's worth (2) waiting: a backlog
-        cap.released(left)
+    for left in (2, 0):  # half the releases left a cap's worth (2) waiting: a backlog
+        cap.released(2, left)
     for _ in range(4):
         cap.observe(0.3, 0.2)
     assert (cap.cap, cap.last_decision) == (4, "grow_backlog")

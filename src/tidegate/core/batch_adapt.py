@@ -9,11 +9,12 @@ and the simulator drive them identically and tests drive them with made-up times
   second (exact for a steady Poisson stream in expectation, once ``tau_s`` has passed). It
   forgets a burst within a few ``tau_s``.
 - ``AdaptiveCap``: AIMD on the batch's count bound, driven by the most urgent level's
-  latency and by the backlog batches leave behind. Every ``num_samples`` latencies of that
+  latency and by what the batches found queued. Every ``num_samples`` latencies of that
   level it decides, from their P99 against the target, whether those requests spent more of
-  their time (median) waiting than running ("queueing"), and whether at least half the
+  their time (median) waiting than running ("queueing"), whether at least half the
   releases since the last decision left a cap's worth of requests still waiting
-  ("backlog"), in this order:
+  ("backlog"), and whether at least half were full at the cap ("full": the cap bound
+  them), in this order:
 
   1. backlog: the cap is multiplied by ``backlog_grow_factor`` (at least +1) up to
      ``max_batch_size`` (``grow_backlog``; ``hold_backlog`` at the bound), whatever the
@@ -24,16 +25,24 @@ and the simulator drive them identically and tests drive them with made-up times
   2. over target and queueing: +1 (``increase_queueing``; ``hold_queueing`` at the bound).
      The wait, not the batch, makes the level late; a smaller batch only drains the queue
      slower (measured: the cap spiralled to 1 and throughput fell to a third).
-  3. over target, the batch's run time dominating and no backlog: multiplied by
-     ``decrease_factor`` (``decrease``; ``hold`` at the floor). Only here is the batch
-     itself what makes urgent requests late, and nothing waits that a larger batch drains.
-  4. under ``grow_below`` x target: +1 (``increase``), slowly back towards the throughput of
+  3. over target, the batch's run time dominating, batches full: hold (``hold_full``).
+     Batches that fill the cap mean at least a cap's worth arrives while one runs: the
+     replica is saturated at this cap, and a smaller one would serve less than arrives and
+     build a backlog (behind a gateway, which hands a replica at most two batches, the
+     worker never sees that backlog: measured in the simulator with batches 3x slower than
+     the minilm profile's, a cap that shrank there and grew back lost 9% of the
+     throughput at the knee).
+  4. over target, the batch's run time dominating, batches mostly under the cap and no
+     backlog: multiplied by ``decrease_factor`` (``decrease``; ``hold`` at the floor).
+     Only here is the batch itself what makes urgent requests late while the cap has room
+     the load does not need.
+  5. under ``grow_below`` x target: +1 (``increase``), slowly back towards the throughput of
      large batches; in between it holds (``hold``: the dead band keeps it from flapping).
 
-  Rules 1 and 3 cannot both apply, so a steady state does not flap between them; the cap
-  settles where its batches just keep up. It stays within ``[min_batch_size,
-  max_batch_size]``: the upper bound is the configured maximum, which the profile's knee
-  sets (``tidegate profile`` recommends it).
+  The cap shrinks only while batches are mostly smaller than it and nothing waits, and
+  grows while a cap's worth waits: it settles where its batches just keep up. It stays
+  within ``[min_batch_size, max_batch_size]``: the upper bound is the configured maximum,
+  which the profile's knee sets (``tidegate profile`` recommends it).
 - ``BatchPlanner`` holds one replica's rule, rate and cap, and counts why batches left.
 """
 
@@ -124,9 +133,10 @@ CAP_DECISIONS = (
     "hold_backlog",  # rule 1 at max_batch_size
     "increase_queueing",  # rule 2: late from waiting, not from the batch: +1
     "hold_queueing",  # rule 2 at max_batch_size
-    "decrease",  # rule 3: late from the batch's own run time, no backlog: shrink
-    "increase",  # rule 4: slack under grow_below x target: +1
-    "hold",  # the dead band, or rule 3 / 4 at a bound
+    "hold_full",  # rule 3: late from the run, but batches fill the cap: saturated
+    "decrease",  # rule 4: late from the batch's own run, room under the cap: shrink
+    "increase",  # rule 5: slack under grow_below x target: +1
+    "hold",  # the dead band, or rule 4 / 5 at a bound
 )
 
 
@@ -136,6 +146,7 @@ def decide_batch_cap(
     config: CapConfig,
     queueing: bool = False,
     backlogged: bool = False,
+    full: bool = False,
 ) -> tuple[int, str]:
     """The next cap and why (one of ``CAP_DECISIONS``; the module note's rules in order)."""
     low, high = config.min_batch_size, config.max_batch_size
@@ -146,6 +157,8 @@ def decide_batch_cap(
     over = p99_s > config.target_p99_s
     if over and queueing:
         return (cap + 1, "increase_queueing") if cap < high else (cap, "hold_queueing")
+    if over and full:
+        return cap, "hold_full"
     if over:
         shrunk = max(low, math.floor(cap * config.decrease_factor))
         return shrunk, "decrease" if shrunk < cap else "hold"
@@ -159,6 +172,7 @@ class AdaptiveCap:
 
     __slots__ = (
         "_backlogged",
+        "_full",
         "_releases",
         "_runs",
         "_samples",
@@ -178,14 +192,17 @@ class AdaptiveCap:
         self._runs: list[float] = []
         self._releases = 0
         self._backlogged = 0
+        self._full = 0
         self.last_p99_s: float | None = None
         self.last_decision = "start"
         self.decisions: dict[str, int] = dict.fromkeys(CAP_DECISIONS[1:], 0)
 
-    def released(self, left_waiting: int) -> None:
-        """A batch left; ``left_waiting`` requests stayed queued behind it. A cap's worth
-        or more is a backlog: the next batch is full before it starts."""
+    def released(self, size: int, left_waiting: int) -> None:
+        """A batch of ``size`` left; ``left_waiting`` requests stayed queued behind it. A
+        cap's worth or more is a backlog: the next batch is full before it starts."""
         self._releases += 1
+        if size >= self.cap:
+            self._full += 1
         if left_waiting >= self.cap:
             self._backlogged += 1
 
@@ -199,13 +216,15 @@ class AdaptiveCap:
             self.last_p99_s = p99(self._samples)
             queueing = _median(self._waits) > _median(self._runs)
             backlogged = self._releases > 0 and 2 * self._backlogged >= self._releases
+            full = self._releases > 0 and 2 * self._full >= self._releases
             self._samples.clear()
             self._waits.clear()
             self._runs.clear()
             self._releases = 0
             self._backlogged = 0
+            self._full = 0
             self.cap, self.last_decision = decide_batch_cap(
-                self.cap, self.last_p99_s, self.config, queueing, backlogged
+                self.cap, self.last_p99_s, self.config, queueing, backlogged, full
             )
             self.decisions[self.last_decision] += 1
 
@@ -276,7 +295,8 @@ class BatchPlanner:
         self.releases[release.reason] += 1
         self.last_reason = release.reason
         if self.cap is not None:
-            self.cap.released(max(0, self._num_queued - len(release.batch)))
+            size = len(release.batch)
+            self.cap.released(size, max(0, self._num_queued - size))
 
     def take(self, queue: WaitQueue, release: Release, now: float) -> tuple[Request, ...]:
         """Remove exactly the released requests from ``queue`` (peeked at ``now``).
