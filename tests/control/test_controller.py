@@ -343,6 +343,26 @@ def test_orchestrator_ray_in_the_config_runs_replicas_as_ray_actors() -> None:
     assert gateway.replicas["m"] == []  # nothing runs before start(): no Ray contacted
 
 
+def test_with_ray_and_a_fixed_count_the_replica_info_says_where_each_runs() -> None:
+    """No autoscaling, so no controller: the fleet that started the replicas says where its
+    orchestrator put them (``tidegate_replica_info``'s device label was empty)."""
+    from tidegate.control.fleet import ConfiguredFleet
+    from tidegate.gateway.observe import device_of
+
+    gateway = _ray_gateway(autoscaling=None)
+    assert gateway.controller is None
+    (fleet,) = [o for o in gateway.orchestrators if isinstance(o, ConfiguredFleet)]
+
+    class Placed:
+        def device_of(self, replica_id: str) -> str:
+            return {"m-shared-0": "node-a"}[replica_id]  # KeyError: not one of mine
+
+    fleet.orchestrator = Placed()  # type: ignore[assignment]
+    on = Replica("m-shared-0", "m", "shared", "ray", "http://x", ReplicaState.READY, 4)
+    other = Replica("elsewhere", "m", "shared", "ray", "http://y", ReplicaState.READY, 4)
+    assert (device_of(gateway, on), device_of(gateway, other)) == ("node-a", "")
+
+
 class PlacingOrchestrator(FakeOrchestrator):
     """Every placement waits for ``placed`` (a Ray cluster placing one replica after another)."""
 

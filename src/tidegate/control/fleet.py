@@ -61,5 +61,13 @@ class ConfiguredFleet:
         finally:
             self.started.set()
 
+    def device_of(self, replica_id: str) -> str:
+        """Where the orchestrator placed ``replica_id`` (a Ray node); KeyError when it does
+        not say, or the replica is not one of its own."""
+        where = getattr(self.orchestrator, "device_of", None)
+        if where is None:
+            raise KeyError(replica_id)
+        return str(where(replica_id))
+
     async def stop(self, timeout_s: float = 10) -> None:
         await self.orchestrator.close()
