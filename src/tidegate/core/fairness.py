@@ -20,11 +20,14 @@ the queue, but a generation request holds its slot for its whole decode: a tenan
 every slot while it was alone keeps them, and a light tenant waits for one to free however
 low its counter. So a tenant also has a *slot share*, ``slot_share(slots, share, active)``:
 ``slots x its share / the shares of the active tenants`` (queued or in flight), at least 1.
-A tenant holding fewer slots than its slot share is *under* it; when a slot frees, the
-tenants under their share go before the others, then the least counter among them
-(``under_share``, the caller's pick). Work-conserving: when every waiting tenant is at or
-over its share, the counters alone decide, so a slot never idles while anyone waits. The
-caller counts a tenant's slots: ``occupy`` at a pick, ``vacate`` when its request ends.
+A tenant holding fewer slots than its slot share is *under* it, more is *over* it; when a
+slot frees and a tenant under its share waits, no tenant over its share gets it: the least
+counter among the others does (``slot_standing``, the caller's pick). A tenant at its share
+exactly still competes by its counter, so a light tenant whose requests are short is not
+held to its slot share against a tenant under it (the counters already favour the light
+one). Work-conserving: when no waiting tenant is under its share, the counters alone
+decide, so a slot never idles while anyone waits. The caller counts a tenant's slots:
+``occupy`` at a pick, ``vacate`` when its request ends.
 
 Pure: no clock, no I/O. Counters of tenants that are neither backlogged nor above the lift
 floor are forgotten (they would be lifted to the floor anyway), so memory follows the
@@ -166,12 +169,14 @@ class VirtualTokenCounters:
             active += share  # not active yet: as if it were
         return slot_share(self.slots, share, active)
 
-    def under_share(self, tenant: str, extra: int = 0) -> bool:
-        """Whether ``tenant``, holding ``extra`` more slots than it does, holds fewer than
-        its slot share; always with no slot bound (``slots`` 0)."""
+    def slot_standing(self, tenant: str, extra: int = 0) -> int:
+        """``tenant``, holding ``extra`` more slots than it does, against its slot share:
+        -1 under it, 0 at it, 1 over it; 0 with no slot bound (``slots`` 0)."""
         if not self.slots:
-            return True
-        return self._held.get(tenant, 0) + extra < self.slot_share(tenant)
+            return 0
+        held = self._held.get(tenant, 0) + extra
+        share = self.slot_share(tenant)
+        return -1 if held < share else (1 if held > share else 0)
 
     # ------------------------------------------------------------------ charging
     def charge(self, tenant: str, weighted_tokens: float) -> None:

@@ -33,10 +33,11 @@ tenant too (``admit``).
 
 Slot shares (fair sharing, ``set_slots``): a pick also gives its tenant a slot, until the
 caller says the request ended (``vacate``) or puts it back (``requeue``). Inside the level,
-the tenants under their slot share (core.fairness: slots x share / active shares, at least
-1) go before those at or over it, then the least counter; when none is under, the counters
-alone decide, so a pick never returns nothing while the level waits (work-conserving). The
-aged head keeps its exception above: aging's bound on the wait comes first.
+while a tenant under its slot share (core.fairness: slots x share / active shares, at least
+1) waits, the tenants over theirs are passed over, and the least counter of the others
+goes; when none is under, the counters alone decide, so a pick never returns nothing while
+the level waits (work-conserving). The aged head keeps its exception above: aging's bound
+on the wait comes first.
 
 Invariants:
 - every admitted request leaves exactly once: popped, shed, expired or cancelled;
@@ -822,8 +823,8 @@ class WaitQueue:
         extra: dict[str, float],
         extra_held: dict[str, int],
     ) -> _Entry:
-        """The oldest request of the level's least-served tenant among those under their
-        slot share, else among all (ties: the earlier head).
+        """The oldest request of the level's least-served tenant (ties: the earlier head),
+        passing over the tenants over their slot share while one under its share waits.
 
         ``taken`` (seqs), ``extra`` (counter increments) and ``extra_held`` (slots) are a
         batch pick's own choices so far: ``_select_fair``.
@@ -831,23 +832,25 @@ class WaitQueue:
         fair = self.fair
         assert fair is not None
         counter = fair.counter
-        under_share = fair.under_share
-        best: _Entry | None = None
-        best_key: tuple[bool, float, float, int] | None = None
+        standing = fair.slot_standing
+        best: _Entry | None = None  # of all
+        best_key: tuple[float, float, int] | None = None
+        within: _Entry | None = None  # of those not over their slot share
+        within_key: tuple[float, float, int] | None = None
+        any_under = False
         for tenant, fifo in fifos.items():
             head = fifo[0] if not taken else _first_untaken(fifo, taken)
             if head is None:
                 continue
-            key = (
-                not under_share(tenant, extra_held.get(tenant, 0)),  # under its share first
-                counter(tenant) + extra.get(tenant, 0.0),
-                head.request.arrival_at,
-                head.seq,
-            )
+            key = (counter(tenant) + extra.get(tenant, 0.0), head.request.arrival_at, head.seq)
             if best_key is None or key < best_key:
                 best, best_key = head, key
+            held = standing(tenant, extra_held.get(tenant, 0))
+            if held <= 0 and (within_key is None or key < within_key):
+                within, within_key = head, key
+            any_under = any_under or held < 0
         assert best is not None  # the level head itself is one of them
-        return best
+        return within if any_under and within is not None else best
 
     def _select_fair(
         self, n: int, now: float, max_tokens: int | None, levels: Iterable[int] | None
