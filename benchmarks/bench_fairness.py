@@ -22,16 +22,16 @@ side by side: the order before slot shares.
    one, each pick timed alone) on a WaitQueue without fair sharing and on one with it, every
    request of the one anonymous tenant, in alternating rounds (ABAB...). Target: with fair
    sharing on, the single-tenant pick p50 and p99 within 10% of without (the fast path).
-2. Real gateway: ``tidegate serve`` with a simulated embeddings engine (one replica,
-   ``--gateway-slots`` requests at a time in batches of up to as many, a fixed service time
-   per batch), tenants ``light`` and ``heavy`` named by the
+2. Real gateway: ``tidegate serve`` with a simulated embeddings engine (``--gateway-replicas``
+   replicas, each serving one request at a time, fixed service time: the model has as many
+   slots as replicas, for the slot shares), tenants ``light`` and ``heavy`` named by the
    trusted header ``X-Tenant`` (``tenancy.header``), loadgen's open-loop clients
    (benchmarks/loadgen.py): light alone, then light + heavy under FIFO and under VTC
    (``tenancy.fair_sharing``), one gateway each.
 
 Run (about 7 minutes on 2 cores; ``--quick``: shorter runs, sim only):
     .venv/bin/python benchmarks/bench_fairness.py [--quick] [--no-gateway] [--json out.json]
-        [--verdict v.json] [--gateway-slots N --service-ms MS]
+        [--verdict v.json] [--gateway-replicas N --service-ms MS]
 Prints markdown tables, PASS/MISS lines and NOTE lines (slot shares before -> after, same
 run); always exits 0.
 """
@@ -428,10 +428,11 @@ class GatewayRow:
     throughput_per_s: float
 
 
-def gateway_config(profile: Path, fair: bool, slots: int) -> dict[str, object]:
-    """One simulated embeddings replica that serves ``slots`` requests at a time, in batches
-    of up to as many (``--service-ms`` each batch): the backlog waits in the gateway's
-    queue, where the policy applies."""
+def gateway_config(profile: Path, fair: bool, replicas: int) -> dict[str, object]:
+    """``replicas`` simulated embeddings replicas that serve one request at a time
+    (``--service-ms`` each): the backlog waits in the gateway's queue, where the policy
+    applies. (One replica with several slots would batch what arrives together, so its
+    capacity would depend on how the releases line up.)"""
     config: dict[str, object] = {
         "models": [
             {
@@ -439,9 +440,9 @@ def gateway_config(profile: Path, fair: bool, slots: int) -> dict[str, object]:
                 "task": "embeddings",
                 "engine": "simulated",
                 "profile": str(profile),
-                "replicas": 1,
-                "slots": slots,
-                "batching": {"max_batch_size": slots, "batch_window_ms": 0},
+                "replicas": replicas,
+                "slots": 1,
+                "batching": {"max_batch_size": 1, "batch_window_ms": 0},
             }
         ],
         # An open service: the tenant is a header the operator trusts (as a proxy in
@@ -462,7 +463,7 @@ def gateway_run(
     headers = {name: {"X-Tenant": name} for name in ("light", "heavy")}
     payloads = loadgen.embedding_bodies("sim", loadgen.sentences(256))
     name = f"{policy}-{'+'.join(rates)}"
-    config = gateway_config(profile, policy == "vtc", args.gateway_slots)
+    config = gateway_config(profile, policy == "vtc", args.gateway_replicas)
     serve = loadgen.start_serve(name, logdir, config, "sim")
     with loadgen.running(serve):
         loop = asyncio.run(
@@ -513,13 +514,13 @@ def gateway_rows(args: argparse.Namespace) -> list[GatewayRow]:
             {"version": 1, "model": "sim", "task": "embeddings", "embeddings": {"points": points}}
         )
     )
-    capacity = args.gateway_slots * 1000.0 / args.service_ms
+    capacity = args.gateway_replicas * 1000.0 / args.service_ms
     share = capacity / 2
     light_rate = args.light_share * share
     heavy_rate = FLOOD * share
     print(
-        f"gateway: capacity {capacity:.1f} req/s ({args.gateway_slots} slots, "
-        f"{args.service_ms:g} ms a batch); light "
+        f"gateway: capacity {capacity:.1f} req/s ({args.gateway_replicas} replicas of 1 slot, "
+        f"{args.service_ms:g} ms each); light "
         f"{light_rate:.1f} req/s, heavy {heavy_rate:.1f} req/s, {args.gateway_s:g} s each",
         file=sys.stderr,
     )
@@ -564,8 +565,8 @@ def main() -> None:
     parser.add_argument("--light-share", type=float, default=0.5, help="of its fair share")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gateway-s", type=float, default=30.0, help="gateway run length")
-    parser.add_argument("--service-ms", type=float, default=40.0, help="gateway: per batch")
-    parser.add_argument("--gateway-slots", type=int, default=1, help="gateway: replica slots")
+    parser.add_argument("--service-ms", type=float, default=40.0, help="gateway: per request")
+    parser.add_argument("--gateway-replicas", type=int, default=1, help="gateway: 1 slot each")
     parser.add_argument("--warmup-s", type=float, default=30.0, help="sim: TTFT after this")
     parser.add_argument("--cost-depths", type=int, nargs="+", default=[1000, 100_000])
     parser.add_argument("--cost-rounds", type=int, default=6)
