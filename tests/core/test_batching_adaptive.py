@@ -396,6 +396,34 @@ def test_decide_batch_cap(
     assert expected[1] in CAP_DECISIONS
 
 
+@pytest.mark.parametrize(
+    ("cap", "largest", "expected"),
+    [
+        (8, 5, (4, "decrease")),  # a batch of 5 would have been cut to 4
+        (8, 4, (8, "hold_short")),  # no batch over 4: a cap of 4 would bind nothing
+        (8, 1, (8, "hold_short")),  # batches of 1 at low load, late from their own run
+        (8, None, (4, "decrease")),  # unknown: as if larger
+    ],
+    ids=["binds", "would_not_bind", "low_load", "unknown"],
+)
+def test_decrease_only_where_the_smaller_cap_would_bind(
+    cap: int, largest: int | None, expected: tuple[int, str]
+) -> None:
+    config = CapConfig(target_p99_s=0.1, max_batch_size=8)
+    assert decide_batch_cap(cap, 0.2, config, largest=largest) == expected
+
+
+def test_a_slow_batch_of_one_at_low_load_does_not_shrink_the_cap() -> None:
+    """Measured on a slow machine: one request's own batch ran past the target at low load;
+    halving the cap would have cut nothing then, and throughput when the load rose."""
+    cap = AdaptiveCap(CapConfig(target_p99_s=0.1, max_batch_size=8, num_samples=10))
+    for _ in range(30):
+        cap.released(1, 0)
+        cap.observe(0.11, 0.1)
+    assert cap.cap == 8
+    assert cap.last_decision == "hold_short"
+
+
 def test_backlog_grows_at_least_by_one_with_a_small_factor() -> None:
     config = CapConfig(target_p99_s=0.1, max_batch_size=16, backlog_grow_factor=1.0)
     assert decide_batch_cap(3, 0.5, config, backlogged=True) == (4, "grow_backlog")
@@ -510,8 +538,9 @@ def test_late_from_its_own_run_without_a_backlog_the_cap_shrinks(
     share: float,
     left: int,
 ) -> None:
-    """Over target, the batch's run at least half the latency, batches under the cap with
-    fewer than a cap's worth behind them: every decision shrinks the cap to its floor."""
+    """Over target, the batch's run at least half the latency, batches just under the cap
+    with fewer than a cap's worth behind them: every decision shrinks the cap, while the
+    batches are larger than the smaller cap (a cap of 2 over batches of 1 holds)."""
     config = CapConfig(0.1, max_batch_size=high, min_batch_size=low, num_samples=5)
     cap = AdaptiveCap(config)
     _feed(cap, history)
@@ -522,12 +551,13 @@ def test_late_from_its_own_run_without_a_backlog_the_cap_shrinks(
             cap.observe(latency, latency * share)
         if not decision:
             continue  # the first decision may still count what the history left pending
-        if before > low:
+        if before - 1 > max(low, before // 2):
             assert cap.cap < before
             assert cap.last_decision == "decrease"
         else:
-            assert cap.cap == low
-    assert cap.cap == low
+            assert cap.cap == before
+            assert cap.last_decision in ("hold", "hold_short", "hold_full")  # full: a cap of 1
+    assert cap.cap - 1 <= max(low, cap.cap // 2)  # it shrank as far as batches would feel
 
 
 @settings(max_examples=200, deadline=None)
@@ -567,8 +597,8 @@ def test_a_cap_halved_early_grows_back_under_the_backlog_it_causes() -> None:
     cap then held under the backlog it caused. Now the backlog grows it back to the knee."""
     config = CapConfig(target_p99_s=0.1, max_batch_size=8, num_samples=10)
     cap = AdaptiveCap(config)
-    for _ in range(20):  # short batches, late from their own run, nothing waiting
-        cap.released(1, 0)
+    for _ in range(20):  # partial batches, late from their own run, nothing waiting
+        cap.released(cap.cap - 1, 0)
         cap.observe(0.3, 0.2)
     assert cap.cap == 2
     assert cap.last_decision == "decrease"
@@ -584,7 +614,7 @@ def test_only_most_releases_leaving_a_backlog_count_as_one() -> None:
     config = CapConfig(target_p99_s=0.1, max_batch_size=8, num_samples=4)
     cap = AdaptiveCap(config)
     cap.cap = 4
-    for size, left in ((4, 10), (1, 0), (2, 0)):  # one in three full, or left a backlog
+    for size, left in ((4, 10), (3, 0), (3, 0)):  # one in three full, or left a backlog
         cap.released(size, left)
     for _ in range(4):
         cap.observe(0.3, 0.2)

@@ -13,8 +13,8 @@ and the simulator drive them identically and tests drive them with made-up times
   level it decides, from their P99 against the target, whether those requests spent more of
   their time (median) waiting than running ("queueing"), whether at least half the
   releases since the last decision left a cap's worth of requests still waiting
-  ("backlog"), and whether at least half were full at the cap ("full": the cap bound
-  them), in this order:
+  ("backlog"), whether at least half were full at the cap ("full": the cap bound them),
+  and the largest batch, in this order:
 
   1. backlog: the cap is multiplied by ``backlog_grow_factor`` (at least +1) up to
      ``max_batch_size`` (``grow_backlog``; ``hold_backlog`` at the bound), whatever the
@@ -33,7 +33,12 @@ and the simulator drive them identically and tests drive them with made-up times
      the minilm profile's, a cap that shrank there and grew back lost 9% of the
      throughput at the knee).
   4. over target, the batch's run time dominating, batches mostly under the cap and no
-     backlog: multiplied by ``decrease_factor`` (``decrease``; ``hold`` at the floor).
+     backlog: multiplied by ``decrease_factor`` (``decrease``; ``hold`` at the floor),
+     unless no batch since the last decision was larger than the smaller cap
+     (``hold_short``): a cap no batch would have felt shortens nothing now, and only costs
+     throughput when the load rises (measured on the real worker of a slow machine: a
+     batch of 1 ran past the 100 ms target at low load, the cap halved, and the knee that
+     followed ran at 0.79x the fixed rule's throughput until a backlog grew it back).
      Only here is the batch itself what makes urgent requests late while the cap has room
      the load does not need.
   5. under ``grow_below`` x target: +1 (``increase``), slowly back towards the throughput of
@@ -135,6 +140,7 @@ CAP_DECISIONS = (
     "hold_queueing",  # rule 2 at max_batch_size
     "hold_full",  # rule 3: late from the run, but batches fill the cap: saturated
     "decrease",  # rule 4: late from the batch's own run, room under the cap: shrink
+    "hold_short",  # rule 4, but no batch was larger than the smaller cap: it would not bind
     "increase",  # rule 5: slack under grow_below x target: +1
     "hold",  # the dead band, or rule 4 / 5 at a bound
 )
@@ -147,8 +153,12 @@ def decide_batch_cap(
     queueing: bool = False,
     backlogged: bool = False,
     full: bool = False,
+    largest: int | None = None,
 ) -> tuple[int, str]:
-    """The next cap and why (one of ``CAP_DECISIONS``; the module note's rules in order)."""
+    """The next cap and why (one of ``CAP_DECISIONS``; the module note's rules in order).
+
+    ``largest``: the largest batch since the last decision (None: unknown, as if larger
+    than any cap)."""
     low, high = config.min_batch_size, config.max_batch_size
     cap = min(max(cap, low), high)
     if backlogged:
@@ -161,7 +171,11 @@ def decide_batch_cap(
         return cap, "hold_full"
     if over:
         shrunk = max(low, math.floor(cap * config.decrease_factor))
-        return shrunk, "decrease" if shrunk < cap else "hold"
+        if shrunk == cap:
+            return cap, "hold"
+        if largest is not None and largest <= shrunk:
+            return cap, "hold_short"
+        return shrunk, "decrease"
     if p99_s < config.grow_below * config.target_p99_s and cap < high:
         return cap + 1, "increase"
     return cap, "hold"
@@ -173,6 +187,7 @@ class AdaptiveCap:
     __slots__ = (
         "_backlogged",
         "_full",
+        "_largest",
         "_releases",
         "_runs",
         "_samples",
@@ -193,6 +208,7 @@ class AdaptiveCap:
         self._releases = 0
         self._backlogged = 0
         self._full = 0
+        self._largest = 0
         self.last_p99_s: float | None = None
         self.last_decision = "start"
         self.decisions: dict[str, int] = dict.fromkeys(CAP_DECISIONS[1:], 0)
@@ -201,6 +217,7 @@ class AdaptiveCap:
         """A batch of ``size`` left; ``left_waiting`` requests stayed queued behind it. A
         cap's worth or more is a backlog: the next batch is full before it starts."""
         self._releases += 1
+        self._largest = max(self._largest, size)
         if size >= self.cap:
             self._full += 1
         if left_waiting >= self.cap:
@@ -217,14 +234,16 @@ class AdaptiveCap:
             queueing = _median(self._waits) > _median(self._runs)
             backlogged = self._releases > 0 and 2 * self._backlogged >= self._releases
             full = self._releases > 0 and 2 * self._full >= self._releases
+            largest = self._largest if self._releases else None
             self._samples.clear()
             self._waits.clear()
             self._runs.clear()
             self._releases = 0
             self._backlogged = 0
             self._full = 0
+            self._largest = 0
             self.cap, self.last_decision = decide_batch_cap(
-                self.cap, self.last_p99_s, self.config, queueing, backlogged, full
+                self.cap, self.last_p99_s, self.config, queueing, backlogged, full, largest
             )
             self.decisions[self.last_decision] += 1
 
