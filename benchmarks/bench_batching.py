@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import subprocess
@@ -67,7 +68,13 @@ ADAPTIVE: dict[str, Any] = {
     "load_aware_window": True,
     "target_p99_ms": TARGET_P99_MS,
 }
-ADAPTIVE_FLAGS = ("--level-windows-ms", "0,,", "--load-aware-window", "--target-p99-ms", "100")
+ADAPTIVE_FLAGS: tuple[str, ...] = (
+    "--level-windows-ms",
+    "0,,",
+    "--load-aware-window",
+    "--target-p99-ms",
+    "100",
+)
 LENGTH_FLAGS = {"length_candidates": 64, "max_padding_ratio": 1.25}
 SLOW = 3.0  # the slow machine of the simulated part: every batch costs 3x the profile's
 
@@ -87,7 +94,7 @@ class _Slowed:
         self.factor = factor
 
     def batch_s(self, num_requests: int, num_tokens: int) -> float:
-        return self.factor * self.inner.batch_s(num_requests, num_tokens)
+        return float(self.factor * self.inner.batch_s(num_requests, num_tokens))
 
 
 def _service(slowdown: float) -> ServiceModel:
@@ -247,12 +254,12 @@ async def _capacity(url: str, seconds: float) -> float:
     return sum(1 for r in records if r.status == 200) / elapsed
 
 
-def real_part(quick: bool) -> list[str]:
+def real_part(quick: bool, adaptive_flags: tuple[str, ...] = ADAPTIVE_FLAGS) -> list[str]:
     logdir = Path(tempfile.mkdtemp(prefix="bench_batching_"))
     common = ("--model", "minilm", "--max-batch-size", str(MAX_BATCH))
     fixed = loadgen.start_worker("fixed", logdir, *common, "--batch-window-ms", "5")
     adaptive = loadgen.start_worker(
-        "adaptive", logdir, *common, "--batch-window-ms", "5", *ADAPTIVE_FLAGS
+        "adaptive", logdir, *common, "--batch-window-ms", "5", *adaptive_flags
     )
     verdicts: list[str] = []
     try:
@@ -390,10 +397,20 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["sim", "real", "profile"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--verdict", type=Path)
+    parser.add_argument(
+        "--without-cap",
+        action="store_true",
+        help="adaptive without the AIMD cap (the windows alone), to tell the levers apart",
+    )
     args = parser.parse_args()
+    global ADAPTIVE, ADAPTIVE_FLAGS
+    if args.without_cap:
+        ADAPTIVE = {k: v for k, v in ADAPTIVE.items() if k != "target_p99_ms"}
+        ADAPTIVE_FLAGS = ADAPTIVE_FLAGS[:-2]
     verdicts: list[str] = []
     errors: list[str] = []
-    for part, run in (("sim", sim_part), ("real", real_part), ("profile", profile_part)):
+    real = functools.partial(real_part, adaptive_flags=ADAPTIVE_FLAGS)
+    for part, run in (("sim", sim_part), ("real", real), ("profile", profile_part)):
         if part not in args.parts:
             continue
         try:
