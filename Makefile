@@ -53,9 +53,9 @@ system-packages:
 # the 2 cores still gains: 1381 tests in 791 s with two workers, 704 s with three (serial:
 # about 18 min). The suite passed three times beside two CPU hogs (.ci/stress-suite), a
 # heavier load than a third worker. The profile e2e file, the longest (about 280 s), is three
-# files since 3b81100 and its real-model sweep is smaller: 1560 tests then took 1448 s here,
-# but beside a second suite run and benchmarks (load 8-14 on 2 cores), not comparable with the
-# 736 s of a quiet machine; CPU time fell from 1130 s (user) to 930 s.
+# files since 3b81100 and its real-model sweep is smaller: on a quiet machine 1537 tests took
+# 736 s before, and a clean clone's `.ci/run` at 77f5d5a passed 1588 tests in 636 s (12m17s
+# in all, install and lint included).
 PYTEST_ARGS ?= -q -n 3 --dist loadfile
 
 unit: $(VENV)/.installed-dev system-packages
