@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 import httpx
+import openai
 
 from tests.procs import DEADLINE_S
 
@@ -88,3 +89,30 @@ class ClosedLoop:
                             self.errors.append(answer.text[:200])
                         except httpx.ResponseNotRead:  # a stream, read line by line
                             self.errors.append(f"{answer.status_code} (a stream)")
+
+
+def openai_embeddings(url: str, model: str, without_retry_after: list[str] | None = None) -> Send:
+    """One embedding request through the ``openai`` client on the thread's own connection
+    pool. No retries: one call is one request, so the gateway must count exactly as many. A
+    refusal (429, 503) that has no Retry-After is noted in ``without_retry_after``."""
+    clients: dict[int, openai.OpenAI] = {}
+
+    def send(http: httpx.Client) -> httpx.Response:
+        client = clients.get(id(http))
+        if client is None:
+            client = clients[id(http)] = openai.OpenAI(
+                base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=http
+            )
+        try:
+            raw = client.embeddings.with_raw_response.create(model=model, input="tide")
+        except openai.APIStatusError as exc:
+            unexplained = "retry-after" not in exc.response.headers
+            if exc.status_code in (429, 503) and unexplained and without_retry_after is not None:
+                without_retry_after.append(f"{exc.status_code}: {exc.message}")
+            return exc.response
+        except openai.APIConnectionError as exc:  # a timeout too: counted as status 0
+            raise httpx.TransportError(f"{type(exc).__name__}: {exc}") from exc
+        assert len(raw.parse().data) == 1
+        return raw.http_response
+
+    return send

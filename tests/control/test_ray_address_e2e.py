@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.control.rayhead import Head, cli_head
 from tests.gateway.harness import flat_profile
-from tests.loadthreads import ClosedLoop
+from tests.loadthreads import ClosedLoop, openai_embeddings
 from tests.procs import DEADLINE_S, Proc, gateway_process
 
 pytestmark = pytest.mark.e2e
@@ -126,28 +125,6 @@ def _until(
         time.sleep(0.1)
 
 
-def _embed(url: str) -> Callable[[httpx.Client], httpx.Response]:
-    """One embedding request through the OpenAI client, no retries (one call, one request)."""
-    clients: dict[int, openai.OpenAI] = {}
-
-    def send(http: httpx.Client) -> httpx.Response:
-        client = clients.get(id(http))
-        if client is None:
-            client = clients[id(http)] = openai.OpenAI(
-                base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=http
-            )
-        try:
-            raw = client.embeddings.with_raw_response.create(model=MODEL, input="tide")
-        except openai.APIStatusError as exc:
-            return exc.response
-        except openai.APIConnectionError as exc:  # counted as status 0
-            raise httpx.TransportError(f"{type(exc).__name__}: {exc}") from exc
-        assert len(raw.parse().data) == 1
-        return raw.http_response
-
-    return send
-
-
 @pytest.mark.parametrize("how", ["auto", "ray-client"])
 def test_serve_joins_an_existing_cluster_serves_and_leaves_no_actor(
     head_env: Head, how: str, tmp_path: Path
@@ -177,7 +154,9 @@ def test_serve_joins_an_existing_cluster_serves_and_leaves_no_actor(
             assert replica["url"].startswith("http://127.0.0.1:"), replica
             assert httpx.get(f"{replica['url']}/readyz", timeout=DEADLINE_S).status_code == 200
 
-        with ClosedLoop([("", _embed(proc.url))] * CLIENTS, max_requests=REQUESTS) as load:
+        with ClosedLoop(
+            [("", openai_embeddings(proc.url, MODEL))] * CLIENTS, max_requests=REQUESTS
+        ) as load:
             _until(
                 "every request answered",
                 lambda: load.served() == REQUESTS,

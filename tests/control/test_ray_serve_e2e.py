@@ -28,14 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.control.raycluster import loopback_cluster
 from tests.gateway.harness import flat_profile
-from tests.loadthreads import ClosedLoop
+from tests.loadthreads import ClosedLoop, openai_embeddings
 from tests.procs import DEADLINE_S, Proc, gateway_process
 
 pytestmark = pytest.mark.e2e
@@ -91,38 +90,6 @@ def _config(tmp_path: Path, address: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- load
-class Refusals:
-    """429 and 503 answers without Retry-After, kept to fail the test with."""
-
-    def __init__(self) -> None:
-        self.without_retry_after: list[str] = []
-
-
-def _embed(url: str, refusals: Refusals) -> Callable[[httpx.Client], httpx.Response]:
-    """One embedding request through the OpenAI client on the thread's own connection pool.
-    No retries: one call is one request, so the gateway must count exactly as many."""
-    clients: dict[int, openai.OpenAI] = {}
-
-    def send(http: httpx.Client) -> httpx.Response:
-        client = clients.get(id(http))
-        if client is None:
-            client = clients[id(http)] = openai.OpenAI(
-                base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=http
-            )
-        try:
-            raw = client.embeddings.with_raw_response.create(model=MODEL, input="tide")
-        except openai.APIStatusError as exc:
-            if exc.status_code in OK_REFUSALS and "retry-after" not in exc.response.headers:
-                refusals.without_retry_after.append(f"{exc.status_code}: {exc.message}")
-            return exc.response
-        except openai.APIConnectionError as exc:  # a timeout too: counted as status 0
-            raise httpx.TransportError(f"{type(exc).__name__}: {exc}") from exc
-        assert len(raw.parse().data) == 1
-        return raw.http_response
-
-    return send
-
-
 # ----------------------------------------------------------------------------- the gateway
 def _get(proc: Proc, path: str) -> Any:
     response = httpx.get(f"{proc.url}{path}", timeout=DEADLINE_S)
@@ -200,8 +167,9 @@ def test_serve_on_ray_scales_over_nodes_survives_a_node_loss_and_counts_every_re
 ) -> None:
     proc, cluster = gateway
     assert len(_ready(proc)) == 1
-    refusals = Refusals()
-    load = ClosedLoop([("", _embed(proc.url, refusals))] * CLIENTS, max_requests=MAX_REQUESTS)
+    without_retry_after: list[str] = []  # 429 and 503 answers without it fail the test
+    send = openai_embeddings(proc.url, MODEL, without_retry_after)
+    load = ClosedLoop([("", send)] * CLIENTS, max_requests=MAX_REQUESTS)
     with load:
         _wait(proc, f"{MAX_REPLICAS} ready", lambda: len(_ready(proc)) == MAX_REPLICAS, 120)
         spread = _ready(proc)
@@ -233,7 +201,7 @@ def test_serve_on_ray_scales_over_nodes_survives_a_node_loss_and_counts_every_re
 
     assert load.statuses[0] == 0, load.errors[:5]  # no request raised or hung
     assert set(load.statuses) <= {200, *OK_REFUSALS}, load.statuses
-    assert refusals.without_retry_after == [], refusals.without_retry_after[:5]
+    assert without_retry_after == [], without_retry_after[:5]
     assert sum(counted.values()) == sent, (counted, load.statuses)  # each counted once
     assert counted.get("completed", 0) == load.statuses[200], (counted, load.statuses)
     assert counted.get("failed", 0) == 0, counted
