@@ -89,7 +89,6 @@ def _config(tmp_path: Path, address: str) -> Path:
     return path
 
 
-# ----------------------------------------------------------------------------- load
 # ----------------------------------------------------------------------------- the gateway
 def _get(proc: Proc, path: str) -> Any:
     response = httpx.get(f"{proc.url}{path}", timeout=DEADLINE_S)
