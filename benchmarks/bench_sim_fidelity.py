@@ -33,6 +33,12 @@ once): on a machine shared with other work the engine's speed drifts by 3x withi
 ``--model smollm2`` (generation: time to first token and end to end, streamed chats of at
 most 16 tokens, max_num_seqs 8) profiles once by default.
 
+The noise floor (``--repeat-real``, on by default): each load's first policy runs a second
+time on the real stack, on the same schedule, right after the others. The second run is
+compared with the first by the same figures and tolerances (how far the real stack is from
+itself), and with the simulator. Printed beside the verdicts, not a target: a simulator
+cannot be asked to agree with a stack more closely than the stack agrees with itself.
+
 Run (a through-gateway profile, about 1.5 minutes, then about 1.5 minutes per policy, for
 each load):
     HF_HUB_OFFLINE=1 flock /tmp/bench.lock nice .venv/bin/python benchmarks/bench_sim_fidelity.py
@@ -40,6 +46,7 @@ each load):
         [--engine transformers|simulated]
         [--loads 0.5,0.8,1.2] [--policies fifo,priority] [--duration-s 40] [--drain-s 30]
         [--runs-dir DIR (keep the run files)] [--json out.json] [--quick] [--verdict v.json]
+        [--no-repeat-real (no noise floor: a third shorter)]
 Every process it starts is stopped at the end; logs are kept only when a run fails.
 """
 
@@ -74,6 +81,8 @@ from tidegate.sim.validate import (
     RecordedRun,
     RunRequest,
     Tolerances,
+    compare,
+    measured_side,
     validate,
     validation_data,
     write_run,
@@ -132,6 +141,17 @@ class RunOutcome:
     # Diagnostic, not the target: the same run with the profile rescaled to the engine time
     # the worker reported during the run (what the service model alone gets wrong).
     rescaled: list[Figure] | None = None
+    run: RecordedRun | None = None  # the real run, kept for the noise floor
+
+
+@dataclass
+class Repeat:
+    """The noise floor: one (load, policy) run again on the real stack, same schedule."""
+
+    load: float
+    policy: str
+    again: list[Figure]  # real run 2 against real run 1
+    simulated: list[Figure]  # the simulator against real run 2
 
 
 def rescaled_service(profile_path: Path, factor: float) -> ServiceModel:
@@ -495,7 +515,7 @@ def one_run(
             "idle_round_trip_ms": (run.idle_round_trip_s or 0.0) * 1e3,
             "validation": validation_data(validation),
         }
-        return RunOutcome(load, policy, list(validation.figures), notes)
+        return RunOutcome(load, policy, list(validation.figures), notes, run=run)
     sizes = simulated.batches
     count = sum(sizes.values())
     engine_s = sum(service.batch.batch_s(size, 0) * n for size, n in sizes.items())
@@ -512,7 +532,7 @@ def one_run(
         * 1e3,
         "validation": validation_data(validation),
     }
-    outcome = RunOutcome(load, policy, list(validation.figures), notes)
+    outcome = RunOutcome(load, policy, list(validation.figures), notes, run=run)
     profiled_ms = service.batch.batch_s(max(1, round(real_batches.mean_size)), 0) * 1e3
     if real_batches.count and profiled_ms > 0:
         factor = real_batches.mean_ms / profiled_ms
@@ -522,6 +542,67 @@ def one_run(
         notes["rescaled_validation"] = validation_data(again)
         outcome.rescaled = list(again.figures)
     return outcome
+
+
+def repeat_run(
+    first: RunOutcome, arrivals: list[Arrival], args: argparse.Namespace, logdir: Path
+) -> Repeat:
+    """``first``'s (load, policy) once more on the real stack, on the same schedule."""
+    assert first.run is not None
+    run, _ = real_run(first.load, first.policy, arrivals, args, logdir)
+    if args.runs_dir is not None:
+        write_run(args.runs_dir / f"{MODEL}-{first.policy}-{first.load:g}-again.json", run)
+    default = MIX[-1][0]  # every request of the schedule names its class
+    again = compare(
+        measured_side(first.run, default), measured_side(run, default), SPEC.task, TOLERANCES
+    )
+    validation, _, _ = validate(run, load_service(str(args.profile)), TOLERANCES)
+    return Repeat(first.load, first.policy, again, list(validation.figures))
+
+
+def judged_percentiles(figures: list[Figure]) -> list[Figure]:
+    return [f for f in figures if f.kind == "percentile" and f.judged]
+
+
+def repeat_lines(repeats: list[Repeat]) -> list[str]:
+    """The real stack against itself, and the simulator against the second real run."""
+    ranked = "ttft" if SPEC.task == "generate" else "e2e"
+    lines = [
+        f"| load | policy | class | {ranked} p50 ms run 1 / run 2 | error | p95 ms run 1 / run 2 "
+        "| error | throughput error | sim vs run 2: p50 error | p95 error |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in repeats:
+        for cls, _ in MIX:
+            got = {f.name: f for f in r.again if f.cls == cls}
+            sim = {f.name: f for f in r.simulated if f.cls == cls}
+            p50, p95 = f"{ranked} p50 ms", f"{ranked} p95 ms"
+            if p50 not in got or p50 not in sim:
+                continue
+            lines.append(
+                f"| {r.load:.0%} | {r.policy} | {cls} "
+                f"| {lg.ms(got[p50].measured)} / {lg.ms(got[p50].simulated)} "
+                f"| {pct(got[p50].error)} "
+                f"| {lg.ms(got[p95].measured)} / {lg.ms(got[p95].simulated)} "
+                f"| {pct(got[p95].error)} | {pct(got['throughput /s'].error)} "
+                f"| {pct(sim[p50].error)} | {pct(sim[p95].error)} |"
+            )
+    return lines
+
+
+def noise_floor(repeats: list[Repeat]) -> list[str]:
+    """Not targets: how far the real stack is from itself, and the simulator on the repeats."""
+    again = [f for r in repeats for f in judged_percentiles(r.again)]
+    sim = [f for r in repeats for f in judged_percentiles(r.simulated)]
+    thr = [f for r in repeats for f in r.again if f.kind == "throughput"]
+    tol = f"{TOLERANCES.percentile:.0%}"
+    return [
+        f"noise floor: the real stack against itself (same schedule, run twice), p50/p95 "
+        f"within {tol}: {sum(f.ok for f in again)} of {len(again)}, throughput within "
+        f"{TOLERANCES.throughput:.0%}: {sum(f.ok for f in thr)} of {len(thr)}",
+        f"noise floor: the simulator against the second run, p50/p95 within {tol}: "
+        f"{sum(f.ok for f in sim)} of {len(sim)}",
+    ]
 
 
 def rescaled_lines(outcomes: list[RunOutcome]) -> list[str]:
@@ -695,6 +776,12 @@ def parse_args() -> argparse.Namespace:
         type=Path,
         help="with --engine simulated: the profile the engine replays",
     )
+    parser.add_argument(
+        "--repeat-real",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each load's first policy twice on the real stack: the noise floor",
+    )
     parser.add_argument("--loads", default="0.5,0.8,1.2")
     parser.add_argument("--policies", default="fifo,priority")
     parser.add_argument("--duration-s", type=float, default=40.0)
@@ -729,6 +816,7 @@ def main() -> int:
         flush=True,
     )
     outcomes: list[RunOutcome] = []
+    repeats: list[Repeat] = []
     failure = ""
     capacity = math.nan
     try:
@@ -749,6 +837,10 @@ def main() -> int:
                     outcome = one_run(load, policy, arrivals, args, logdir)
                     outcome.notes |= {"profile": str(args.profile), "capacity_per_s": capacity}
                     outcomes.append(outcome)
+                if args.repeat_real:
+                    first = next(o for o in outcomes if o.load == load)
+                    print(f"  load {load:.0%}, {first.policy} again (noise floor)", flush=True)
+                    repeats.append(repeat_run(first, arrivals, args, logdir))
     except BaseException:
         failure = traceback.format_exc()
         traceback.print_exc()
@@ -767,6 +859,11 @@ def main() -> int:
         print(diagnostics(outcomes))
         print()
         print("\n".join(rescaled_lines(outcomes)))
+    if repeats:
+        print()
+        print("\n".join(repeat_lines(repeats)))
+        print()
+        print("\n".join(noise_floor(repeats)))
     print("```")
     for line in verdicts(outcomes):
         print(line)
@@ -782,6 +879,16 @@ def main() -> int:
                     "capacity_per_s": capacity,
                     "runs": [{"load": o.load, "policy": o.policy, **o.notes} for o in outcomes],
                     "verdicts": verdicts(outcomes),
+                    "repeats": [
+                        {
+                            "load": r.load,
+                            "policy": r.policy,
+                            "again": [asdict(f) for f in r.again],
+                            "simulated": [asdict(f) for f in r.simulated],
+                        }
+                        for r in repeats
+                    ],
+                    "noise_floor": noise_floor(repeats) if repeats else [],
                 },
                 indent=2,
             )
