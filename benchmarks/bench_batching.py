@@ -21,15 +21,21 @@ Parts (each optional):
 3. ``profile``: ``tidegate profile --model minilm`` on its default mixed workload (log-normal
    lengths, median 64 tokens), short (batch sweep to 8, 2-6 s per point), with the fixed
    rule's workers, then with workers that form batches of similar lengths
-   (``--length-candidates 64 --max-padding-ratio 1.25``); the knee batch of each.
+   (``--length-candidates 64 --max-padding-ratio 1.25``); the knee batch of each, and each
+   batch point's worker CPU per input.
+4. ``pairs``: the pairing probe, minilm in this process: random pairs of that workload, each
+   run as one padded batch and as two batches of one; engine time together over apart for
+   every pair, for the pairs length-aware formation forms and for those it leaves apart, and
+   the batch of one's overhead and per-token cost: what batching by length can save here.
 
 Targets (PASS/MISS): at low load the high p50 improves by at least the window (5 ms); at the
 knee and at 2x overload throughput within 5% of the fixed rule's and high p99 no worse
 (10% slack in the real part: the machine is shared and noisy, see docs/benchmarks.md); the
-profile knee on the mixed workload above batch 1 with length-aware formation.
+profile knee on the mixed workload above batch 1 with length-aware formation; the pairs it
+forms cost the engine less than apart.
 
 Run:
-    .venv/bin/python benchmarks/bench_batching.py [--parts sim real profile] [--quick]
+    .venv/bin/python benchmarks/bench_batching.py [--parts sim real profile pairs] [--quick]
         [--verdict v.json]
 """
 
@@ -44,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -362,14 +369,135 @@ def _profile_knee(out: Path, length_aware: bool, quick: bool) -> dict[str, Any]:
 
 
 def _knee_and_points(profile: dict[str, Any]) -> tuple[int | None, list[str]]:
+    """The knee batch, and each batch-sweep point with its worker CPU per input."""
     knee = profile.get("knee") or {}
-    points = [
-        f"B{p['batch_size']} {p['throughput_rps']:.0f} req/s (mean batch "
-        f"{p.get('mean_batch_size') or 0:.1f}, {p.get('batch_latency_ms') or 0:.0f} ms/batch)"
-        for p in profile.get("points", [])
-        if p.get("sweep") == "batch"
-    ]
+    points = []
+    for p in profile.get("points", []):
+        if p.get("sweep") != "batch":
+            continue
+        rps = p["throughput_rps"]
+        cores = p.get("worker_cpu_cores")
+        cpu = f"{1e3 * cores / rps:.1f}" if cores is not None and rps > 0 else "?"
+        points.append(
+            f"B{p['batch_size']} {rps:.1f} req/s, p95 {p['latency_p95_ms']:.0f} ms, mean batch "
+            f"{p.get('mean_batch_size') or 0:.2f}, {p.get('batch_latency_ms') or 0:.0f} ms/batch, "
+            f"worker CPU {cpu} ms per input"
+        )
     return knee.get("batch_size"), points
+
+
+# The pairing probe: what the rule's choice costs the engine itself, without the closed loop.
+PROBE_SEED = 0  # tidegate profile's default seed: the same mixed workload
+PROBE_PAIRS, PROBE_PAIRS_QUICK = 300, 100
+MINILM_MAX_TOKENS = 256  # the engine truncates longer inputs
+
+
+def _probe_engine() -> tuple[Any, Any]:
+    """minilm loaded in this process, and texts of a wanted token count for its tokenizer."""
+    from tidegate.engines.registry import build_engine
+    from tidegate.profile.workload import TextSizer, probe_text
+
+    engine: Any = build_engine("minilm")
+    engine.load()
+    probes = [
+        (words, engine.count_tokens([probe_text(words, "calibrate")])[0])
+        for words in TextSizer.PROBE_WORDS
+    ]
+    return engine, TextSizer.calibrated(probes, PROBE_SEED)
+
+
+def _engine_ms(engine: Any, texts: list[str]) -> float:
+    started = time.perf_counter()
+    engine.embed_sync(texts)
+    return (time.perf_counter() - started) * 1e3
+
+
+@dataclass(frozen=True)
+class _Pair:
+    tokens: tuple[int, int]  # as the engine runs them (truncated)
+    formed: bool  # the length-aware rule batches the two together
+    padded_ms: float  # one batch of the two
+    alone_ms: tuple[float, float]  # each in a batch of one
+
+
+def _time_pairs(num_pairs: int) -> list[_Pair]:
+    """Random pairs of the mixed workload, each run padded together and apart, back to back
+    (order alternating), so load on the machine shifts both alike; with what the rule does
+    with a queue of the two (the head and one candidate, as in the batch sweep at batch 2)."""
+    import numpy as np
+
+    from tidegate.core.batching import BatchConfig, BatchView, plan_batch
+    from tidegate.core.request import Request
+    from tidegate.profile.workload import synthetic_workload
+
+    engine, sizer = _probe_engine()
+    rule = BatchConfig(max_batch_size=2, batch_window_ms=0.0, **LENGTH_FLAGS)
+    lengths = synthetic_workload("embeddings", PROBE_SEED).input_tokens
+    rng = np.random.default_rng(PROBE_SEED)
+    _engine_ms(engine, [sizer.text(64, 0)] * 2)  # warm up
+    pairs = []
+    for k in range(num_pairs):
+        i, j = (int(x) for x in rng.choice(len(lengths), 2))
+        texts = [sizer.text(lengths[i], i), sizer.text(lengths[j], j)]
+        a, b = engine.count_tokens(texts)
+        head = [Request(f"p{n}", "minilm", 1, 0.0, cost_tokens=t) for n, t in enumerate((a, b))]
+        formed = len(getattr(plan_batch(BatchView(head, 2), rule, 0.0), "batch", ())) == 2
+        if k % 2:
+            padded = _engine_ms(engine, texts)
+            alone = (_engine_ms(engine, texts[:1]), _engine_ms(engine, texts[1:]))
+        else:
+            alone = (_engine_ms(engine, texts[:1]), _engine_ms(engine, texts[1:]))
+            padded = _engine_ms(engine, texts)
+        clipped = (min(a, MINILM_MAX_TOKENS), min(b, MINILM_MAX_TOKENS))
+        pairs.append(_Pair(clipped, formed, padded, alone))
+    return pairs
+
+
+def _padded_over_apart(pairs: list[_Pair]) -> str:
+    """Engine time of the pairs padded together over the same pairs apart."""
+    if not pairs:
+        return "none (0 pairs)"
+    padded = sum(p.padded_ms for p in pairs)
+    return f"{padded / sum(sum(p.alone_ms) for p in pairs):.3f}x ({len(pairs)} pairs)"
+
+
+def pairing_probe(quick: bool) -> list[str]:
+    """What the rule's pairs cost the engine itself, without the closed loop: the batch of
+    one's overhead and per-token cost (least squares over the singles), and engine time
+    padded together over apart for every pair, the pairs the rule forms, those it leaves."""
+    import numpy as np
+
+    num_pairs = PROBE_PAIRS_QUICK if quick else PROBE_PAIRS
+    pairs = _time_pairs(num_pairs)
+    singles = [(t, ms) for p in pairs for t, ms in zip(p.tokens, p.alone_ms, strict=True)]
+    fit = np.array([[1.0, t] for t, _ in singles])
+    (overhead, per_token), *_ = np.linalg.lstsq(fit, np.array([ms for _, ms in singles]))
+    mean_tokens = float(np.mean([t for t, _ in singles]))
+    formed = [p for p in pairs if p.formed]
+    # What a rule on cost would form: padding within the per-batch overhead it saves.
+    within = [p for p in pairs if 2 * max(p.tokens) - sum(p.tokens) <= overhead / per_token]
+    mean_ms = overhead + per_token * mean_tokens
+    print(f"\n## Pairing probe: {num_pairs} random pairs of the mixed workload on minilm\n")
+    print(
+        f"- a batch of one: {overhead:.1f} ms + {per_token:.3f} ms per token (the overhead is "
+        f"{overhead / per_token:.0f} tokens of work); mean input {mean_tokens:.1f} tokens"
+    )
+    print(f"- engine time padded together / apart, every pair: {_padded_over_apart(pairs)}")
+    print(f"- the pairs length-aware formation forms {LENGTH_FLAGS}: {_padded_over_apart(formed)}")
+    print(f"- the pairs it leaves apart: {_padded_over_apart([p for p in pairs if not p.formed])}")
+    print(f"- the pairs padded by at most the overhead's tokens: {_padded_over_apart(within)}")
+    print(
+        f"- the most batch 2 can gain (pairs of equal length, half the overhead saved per "
+        f"input): {mean_ms / (mean_ms - overhead / 2):.3f}x the inputs per engine second"
+    )
+    saving = sum(p.padded_ms for p in formed) < sum(sum(p.alone_ms) for p in formed)
+    return [
+        _verdict(
+            bool(formed) and saving,
+            f"the pairs length-aware formation forms cost the engine less than apart: "
+            f"{_padded_over_apart(formed)}",
+        )
+    ]
 
 
 def profile_part(quick: bool) -> list[str]:
@@ -394,7 +522,7 @@ def profile_part(quick: bool) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", nargs="+", default=["sim", "real", "profile"])
+    parser.add_argument("--parts", nargs="+", default=["sim", "real", "profile", "pairs"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--verdict", type=Path)
     parser.add_argument(
@@ -410,7 +538,8 @@ def main() -> None:
     verdicts: list[str] = []
     errors: list[str] = []
     real = functools.partial(real_part, adaptive_flags=ADAPTIVE_FLAGS)
-    for part, run in (("sim", sim_part), ("real", real), ("profile", profile_part)):
+    parts = (("sim", sim_part), ("real", real), ("profile", profile_part), ("pairs", pairing_probe))
+    for part, run in parts:
         if part not in args.parts:
             continue
         try:
