@@ -73,6 +73,7 @@ P99_RATIO_TARGET = 2.0
 THROUGHPUT_TOLERANCE = 0.05
 TENANCY_ON = "tenancy:\n  fair_sharing: true\n"
 VTC_COUNTERS = "vtc, counters only"  # VTC without slot shares: the order before them
+VTC_SHARES = "vtc + slot shares"  # VTC with slot shares and no slot reserve: before it
 
 
 @dataclass
@@ -202,7 +203,8 @@ def sim_rows(args: argparse.Namespace) -> list[SimRow]:
     heavy_path = folder / f"{args.heavy}-trace.csv"
     duration = args.duration_s
     fifo_config = AZURE_CONFIG.replace("replicas: 4", f"replicas: {args.replicas}")
-    vtc_config = fifo_config + TENANCY_ON
+    shares_config = fifo_config + TENANCY_ON + reserve_line(0.0)
+    vtc_config = fifo_config + TENANCY_ON + reserve_line(args.reserve_fraction)
 
     # Capacity: the heavy client alone at an overload no fleet of this size keeps up with
     # (completions per second while it lasts).
@@ -218,14 +220,19 @@ def sim_rows(args: argparse.Namespace) -> list[SimRow]:
     )
     light = client_segments(light_path, args.start_s, duration, args.speedup, light_rate)
     heavy = client_segments(heavy_path, args.start_s, duration, args.speedup, heavy_rate)
-    rows = []
     both = [("light", light), ("heavy", heavy)]
-    for run, policy, config_text, tenants, slot_shares in (
+    runs = [
         ("light alone", "fifo", fifo_config, [("light", light)], True),
         ("light + heavy", "fifo", fifo_config, both, True),
-        ("light + heavy", VTC_COUNTERS, vtc_config, both, False),
-        ("light + heavy", "vtc", vtc_config, both, True),
-    ):
+        ("light + heavy", VTC_COUNTERS, shares_config, both, False),
+        ("light + heavy", VTC_SHARES, shares_config, both, True),
+        ("light + heavy", f"vtc + reserve {args.reserve_fraction:g}", vtc_config, both, True),
+    ]
+    for fraction in args.reserve_sweep:  # more rows, no verdicts: the reserve's curve
+        sweep_config = fifo_config + TENANCY_ON + reserve_line(fraction)
+        runs.append(("light + heavy", f"vtc + reserve {fraction:g}", sweep_config, both, True))
+    rows = []
+    for run, policy, config_text, tenants, slot_shares in runs:
         latencies, ttfts, late, offered, completed, throughput, tokens = simulate(
             config_text, tenants, args, f"{run} {policy}", slot_shares
         )
@@ -250,6 +257,11 @@ def sim_rows(args: argparse.Namespace) -> list[SimRow]:
         )
         print(f"  {run} {policy}: done", file=sys.stderr)
     return rows
+
+
+def reserve_line(fraction: float) -> str:
+    """The tenancy key of the slot reserve."""
+    return f"  slot_reserve_fraction: {fraction}\n"
 
 
 def sim_table(rows: list[SimRow]) -> str:
@@ -301,24 +313,24 @@ def verdicts(
     ]
 
 
-def slot_share_notes(solo: SimRow, counters: SimRow, vtc: SimRow) -> list[str]:
-    """Before and after slot shares, same run: the light tenant's TTFT p99 and e2e p99 over
-    solo, and the throughput (informative: the verdicts are on VTC with slot shares)."""
+def before_after_note(what: str, solo: SimRow, before: SimRow, after: SimRow) -> str:
+    """``what`` before -> after, same run: the light tenant's TTFT p99 and e2e p99 over solo,
+    and the throughput (informative: the verdicts are on the last VTC run)."""
 
     def ratio(value: float, base: float) -> str:
         return f"{value:.2f} s = {value / base:.2f}x" if base > 0 else f"{value:.2f} s"
 
-    return [
-        f"sim, slot shares before -> after: light TTFT p99 "
-        f"{ratio(counters.light_ttft_p99_s, solo.light_ttft_p99_s)} -> "
-        f"{ratio(vtc.light_ttft_p99_s, solo.light_ttft_p99_s)} solo; after the "
-        f"warm-up: {ratio(counters.light_ttft_p99_late_s, solo.light_ttft_p99_late_s)} -> "
-        f"{ratio(vtc.light_ttft_p99_late_s, solo.light_ttft_p99_late_s)}; e2e p99 "
-        f"{ratio(counters.light_p99_s, solo.light_p99_s)} -> "
-        f"{ratio(vtc.light_p99_s, solo.light_p99_s)}; req/s {counters.throughput_per_s:.3f}"
-        f" -> {vtc.throughput_per_s:.3f}; output tok/s {counters.output_tokens_per_s:,.0f} -> "
-        f"{vtc.output_tokens_per_s:,.0f}",
-    ]
+    return (
+        f"sim, {what} before -> after: light TTFT p99 "
+        f"{ratio(before.light_ttft_p99_s, solo.light_ttft_p99_s)} -> "
+        f"{ratio(after.light_ttft_p99_s, solo.light_ttft_p99_s)} solo; after the "
+        f"warm-up: {ratio(before.light_ttft_p99_late_s, solo.light_ttft_p99_late_s)} -> "
+        f"{ratio(after.light_ttft_p99_late_s, solo.light_ttft_p99_late_s)}; e2e p99 "
+        f"{ratio(before.light_p99_s, solo.light_p99_s)} -> "
+        f"{ratio(after.light_p99_s, solo.light_p99_s)}; req/s {before.throughput_per_s:.3f}"
+        f" -> {after.throughput_per_s:.3f}; output tok/s {before.output_tokens_per_s:,.0f} -> "
+        f"{after.output_tokens_per_s:,.0f}"
+    )
 
 
 # ----------------------------------------------------------------------------- one tenant
@@ -568,6 +580,20 @@ def main() -> None:
     parser.add_argument("--service-ms", type=float, default=40.0, help="gateway: per request")
     parser.add_argument("--gateway-replicas", type=int, default=1, help="gateway: 1 slot each")
     parser.add_argument("--warmup-s", type=float, default=30.0, help="sim: TTFT after this")
+    parser.add_argument(
+        "--reserve-fraction",
+        type=float,
+        default=None,
+        help="sim: tenancy.slot_reserve_fraction of the last VTC run (default: the config's)",
+    )
+    parser.add_argument(
+        "--reserve-sweep",
+        type=float,
+        nargs="*",
+        default=[],
+        help="sim: more VTC runs, one per slot_reserve_fraction (rows, no verdicts)",
+    )
+
     parser.add_argument("--cost-depths", type=int, nargs="+", default=[1000, 100_000])
     parser.add_argument("--cost-rounds", type=int, default=6)
     parser.add_argument("--cost-steps", type=int, default=20_000)
@@ -577,6 +603,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--verdict", type=Path)
     args = parser.parse_args()
+    if args.reserve_fraction is None:
+        args.reserve_fraction = FairnessConfig().reserve_fraction
     if args.quick:
         args.duration_s = min(args.duration_s, 200.0)
         args.cost_rounds, args.cost_budget_s = 2, 0.3
@@ -597,7 +625,7 @@ def main() -> None:
     rows = sim_rows(args)
     print("## Simulator: ServeGen m-mid clients, llama2-70b fleet\n")
     print(sim_table(rows) + "\n")
-    solo, fifo, counters, vtc = rows
+    solo, fifo, counters, shares, vtc = rows[:5]
     lost = (fifo.light_requests - fifo.light_completed, vtc.light_requests - vtc.light_completed)
     results += verdicts(
         "sim",
@@ -630,7 +658,10 @@ def main() -> None:
             lost,
         )[0]
     )
-    notes = slot_share_notes(solo, counters, vtc)
+    notes = [
+        before_after_note("slot shares", solo, counters, shares),
+        before_after_note(f"slot reserve {args.reserve_fraction:g}", solo, shares, vtc),
+    ]
     payload: dict[str, object] = {
         "commit": commit,
         "cost": [asdict(r) for r in costs],

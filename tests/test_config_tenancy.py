@@ -29,6 +29,7 @@ def test_tenancy_resolved_and_given_to_every_queue() -> None:
                 "output_weight": 4,
                 "lag_tokens": 50,
                 "weights": {"acme": 2.0, "team.b": 0.5},
+                "slot_reserve_fraction": 0.1,
             }
         }
     )
@@ -38,6 +39,7 @@ def test_tenancy_resolved_and_given_to_every_queue() -> None:
         output_weight=4.0,
         lag_tokens=50.0,
         shares=(("acme", 2.0), ("team.b", 0.5)),
+        reserve_fraction=0.1,
     )
     assert config.fairness == expected
     for model in config.models:
@@ -55,6 +57,8 @@ def test_tenancy_resolved_and_given_to_every_queue() -> None:
         ({"weights": {"a": 0}}, "tenancy.weights.a", "out of range", "> 0"),
         ({"input_weight": 0, "output_weight": 0}, "tenancy.input_weight", "both 0", "VTC"),
         ({"lag": 5}, "tenancy.lag", "unknown key", "lag_tokens"),
+        ({"slot_reserve_fraction": 1}, "tenancy.slot_reserve_fraction", "out of range", "< 1"),
+        ({"slot_reserve_fraction": -0.5}, "tenancy.slot_reserve_fraction", "out of range", ">= 0"),
     ],
 )
 def test_bad_tenancy_names_file_key_and_fix(
@@ -68,3 +72,9 @@ def test_bad_tenancy_names_file_key_and_fix(
     text, _, fix_text = error.message.partition(". Fix: ")
     assert problem in text
     assert fix in fix_text
+
+
+def test_slot_reserve_defaults_to_a_32nd_of_the_slots() -> None:
+    config = parse({"tenancy": {"fair_sharing": True}})
+    assert config.fairness is not None
+    assert config.fairness.reserve_fraction == FairnessConfig().reserve_fraction == 0.03125

@@ -34,6 +34,17 @@ def test_least_served_first_with_shares_and_the_anonymous_tenant() -> None:
     ]
 
 
+def _holding(counter: float, queued: int, *, in_flight: int, slot_share: float) -> dict[str, float]:
+    """A tenant's state as ``/admin/replicas`` gives it with slots (share 1)."""
+    return {
+        "counter": counter,
+        "queued": queued,
+        "share": 1.0,
+        "in_flight": in_flight,
+        "slot_share": slot_share,
+    }
+
+
 def test_slot_shares_shown_with_the_slots() -> None:
     text = format_tenants(
         "m",
@@ -41,20 +52,8 @@ def test_slot_shares_shown_with_the_slots() -> None:
             "fair_sharing": True,
             "slots": 64,
             "tenants": {
-                "heavy": {
-                    "counter": 5000.0,
-                    "queued": 900,
-                    "share": 1.0,
-                    "in_flight": 60,
-                    "slot_share": 32.0,
-                },
-                "light": {
-                    "counter": 10.0,
-                    "queued": 1,
-                    "share": 1.0,
-                    "in_flight": 4,
-                    "slot_share": 32.0,
-                },
+                "heavy": _holding(5000.0, 900, in_flight=60, slot_share=32.0),
+                "light": _holding(10.0, 1, in_flight=4, slot_share=32.0),
             },
         },
     )
@@ -64,3 +63,22 @@ def test_slot_shares_shown_with_the_slots() -> None:
         "  light: 10.0 virtual tokens, 1 queued, 4 in flight of a slot share of 32",
         "  heavy: 5,000.0 virtual tokens, 900 queued, 60 in flight of a slot share of 32",
     ]
+
+
+def test_slot_reserve_shown_with_the_slots() -> None:
+    text = format_tenants(
+        "m",
+        {
+            "fair_sharing": True,
+            "slots": 64,
+            "reserve_slots": 2,
+            "tenants": {"heavy": _holding(5000.0, 900, in_flight=62, slot_share=62.0)},
+        },
+    )
+    lines = text.splitlines()
+    assert "last 2 free slots are held for a tenant under its slot share" in lines[2]
+    assert "the other 62" in lines[2]
+    assert (
+        lines[3]
+        == "  heavy: 5,000.0 virtual tokens, 900 queued, 62 in flight of a slot share of 62"
+    )

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidegate.core.fairness import FairnessConfig, VirtualTokenCounters, slot_share
+from tidegate.core.fairness import FairnessConfig, VirtualTokenCounters, reserve_slots, slot_share
 from tidegate.core.queue import Admitted, AgingConfig, LevelSpec, QueueConfig, WaitQueue
 from tidegate.core.request import Request
 
@@ -54,6 +54,9 @@ def test_config_rejects_bad_weights() -> None:
         FairnessConfig(lag_tokens=-1)
     with pytest.raises(ValueError, match="share must be > 0"):
         FairnessConfig(shares=(("a", 0.0),))
+    for fraction in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="reserve_fraction"):
+            FairnessConfig(reserve_fraction=fraction)
 
 
 @pytest.mark.parametrize(
@@ -330,6 +333,83 @@ def test_batch_pick_respects_slot_shares_as_single_picks_do() -> None:
     assert [r.id for r in batch.pop(4, 55.0)] == pop_ids(single, 4, now=55.0)
 
 
+# ----------------------------------------------------------------------- the slot reserve
+RESERVE = FairnessConfig(lag_tokens=0.0, reserve_fraction=0.25)
+
+
+@pytest.mark.parametrize(
+    ("slots", "fraction", "expected"),
+    [
+        (64, 0.0625, 4),  # a sixteenth of 64
+        (64, 0.05, 3),  # rounded down
+        (60, 0.05, 3),  # 3.0 exactly, whatever the float
+        (4, 0.0625, 0),  # a quarter slot: none
+        (2, 0.9, 1),  # never every slot: one stays for a tenant alone
+        (1, 0.5, 0),  # one slot: nothing to hold back
+        (0, 0.5, 0),  # no slot bound
+        (64, 0.0, 0),  # off
+    ],
+)
+def test_reserve_is_a_fraction_of_the_slots_rounded_down(
+    slots: int, fraction: float, expected: int
+) -> None:
+    assert reserve_slots(slots, fraction) == expected
+
+
+def test_tenant_alone_leaves_the_reserve_free_for_a_newcomer() -> None:
+    """8 slots, 2 reserved: heavy, alone, takes 6 and no more; light, arriving, gets one at
+    once (under its share of 3), and a second; heavy still gets none of the reserve."""
+    queue = fair_queue(fairness=RESERVE)
+    queue.set_slots(8)
+    admit_all(queue, [treq(f"h{i}", "heavy", at=i) for i in range(10)], now=9)
+    assert pop_ids(queue, 10, now=9.0) == [f"h{i}" for i in range(6)]
+    assert queue.tenants()["heavy"]["slot_share"] == 6.0
+    admit_all(queue, [treq(f"l{i}", "light", at=20 + i) for i in range(2)], now=21)
+    assert pop_ids(queue, 3, now=21.0) == ["l0", "l1"]
+    queue.vacate(treq("l0", "light"))  # one free, in the reserve: heavy (6, over 3) waits
+    assert queue.pop(1, 21.0) == ()
+    queue.vacate(treq("h0", "heavy"))  # two free, still the reserve's
+    assert queue.pop(1, 21.0) == ()
+    queue.vacate(treq("h1", "heavy"))  # three free: one outside the reserve, heavy's
+    assert pop_ids(queue, 2, now=21.0) == ["h6"]
+
+
+def test_reserved_slot_goes_to_a_less_urgent_tenant_under_its_share() -> None:
+    """Heavy's high request may not have the reserve; light's medium one, under its share,
+    does: the pick looks past the level it cannot serve."""
+    queue = fair_queue(fairness=RESERVE)
+    queue.set_slots(4)  # 1 reserved
+    admit_all(queue, [treq(f"h{i}", "heavy", at=i) for i in range(4)], now=3)
+    assert len(queue.pop(4, 3.0)) == 3
+    admit_all(queue, [treq("l0", "light", at=5, level=1)], now=5)
+    assert [r.id for r in queue.peek(2, 5.0)] == ["l0"]
+    assert queue.pop(1, 5.0)[0].id == "l0"
+
+
+def test_aged_head_takes_a_reserved_slot() -> None:
+    """Aging's bound on the wait comes first: an aged request is taken whatever its tenant."""
+    aging = AgingConfig(threshold_s=1.0, rate_per_s=1.0)
+    queue = fair_queue(fairness=RESERVE, aging=aging)
+    queue.set_slots(4)  # 1 reserved
+    admit_all(queue, [treq(f"h{i}", "heavy", at=0.0, level=1) for i in range(4)])
+    assert len(queue.pop(4, 0.0)) == 3
+    assert queue.pop(1, 0.0, levels={1}) == ()  # at its own level: held back
+    assert queue.pop(1, 2.0, levels={0})[0].id == "h3"  # aged to high: taken
+
+
+def test_batch_pick_respects_the_reserve_as_single_picks_do() -> None:
+    def build() -> WaitQueue:
+        queue = fair_queue(fairness=RESERVE)
+        queue.set_slots(8)
+        admit_all(queue, [treq(f"h{i}", "heavy", at=i) for i in range(9)], now=9)
+        admit_all(queue, [treq(f"l{i}", "light", at=10 + i, level=1) for i in range(3)], now=12)
+        return queue
+
+    batch, single = build(), build()
+    expected = [f"h{i}" for i in range(6)] + ["l0", "l1"]  # heavy up to the reserve, light in it
+    assert [r.id for r in batch.pop(8, 12.0)] == pop_ids(single, 8, now=12.0) == expected
+
+
 def test_full_level_sheds_the_flooding_tenant() -> None:
     queue = fair_queue(max_size=4)
     admit_all(queue, [treq(f"heavy{i}", "heavy", at=i) for i in range(4)])
@@ -573,37 +653,53 @@ SLOT_OPS = st.lists(
 
 
 @settings(max_examples=800, deadline=None)  # (300 found a disabled slot rule 2 times in 3)
-@given(SLOT_OPS, st.integers(1, 8), st.lists(st.integers(0, 40), min_size=3, max_size=3))
+@given(
+    SLOT_OPS,
+    st.integers(1, 8),
+    st.lists(st.integers(0, 40), min_size=3, max_size=3),
+    st.sampled_from([0.0, 0.0, 0.25, 0.5]),
+)
 def test_slot_shares_bound_the_over_share_and_idle_no_slot(
-    ops: list[tuple[str, str, int]], slots: int, costs: list[int]
+    ops: list[tuple[str, str, int]], slots: int, costs: list[int], reserve_fraction: float
 ) -> None:
     """A dispatcher's loop over a fair queue (two levels, no aging; tenant ``a`` of share
     2): whenever a slot is free it picks. No tenant over its slot share takes a slot while
-    one under its share waits in the level picked, and no slot idles while anything waits.
-    Shares and holdings are counted here, by brute force. Each tenant's requests cost its
-    own number of tokens: a cheap tenant's counter stays least, so only the slot shares keep
-    it from taking every slot."""
+    one under its share waits in the level picked; no tenant at or over its share takes one
+    of the reserve's slots; and no slot outside the reserve idles while anything waits, nor
+    one of the reserve's while a tenant under its share waits. Shares, holdings and the
+    reserve are counted here, by brute force. Each tenant's requests cost its own number of
+    tokens: a cheap tenant's counter stays least, so only the slot shares keep it from
+    taking every slot."""
     shares = {"a": 2.0, "b": 1.0, "c": 1.0}
-    config = FairnessConfig(lag_tokens=0.0, shares=(("a", 2.0),))
+    config = FairnessConfig(lag_tokens=0.0, shares=(("a", 2.0),), reserve_fraction=reserve_fraction)
     queue = fair_queue(fairness=config, levels=2)
     queue.set_slots(slots)
     queued: dict[str, Request] = {}
     running: list[Request] = []
 
     def dispatch(now: float) -> None:
+        reserve = min(slots - 1, int(slots * reserve_fraction)) if slots > 1 else 0
         while len(running) < slots and len(queue):
             held = {t: sum(r.tenant == t for r in running) for t in shares}
             active = {r.tenant for r in running} | {r.tenant for r in queued.values()}
             total = sum(shares[t] for t in active)
-            share = {t: max(1.0, slots * shares[t] / total) for t in shares}
+            share = {t: max(1.0, (slots - reserve) * shares[t] / total) for t in shares}
             under = {t for t in shares if held[t] < share[t]}
-            (picked,) = queue.pop(1, now)
+            waiting = {r.tenant for r in queued.values()}
+            in_reserve = slots - len(running) <= reserve
+            popped = queue.pop(1, now)
+            if not popped:  # only the reserve is free, and no one under its share waits
+                assert in_reserve, (held, share)
+                assert not (waiting & under), (held, share, waiting)
+                break
+            (picked,) = popped
+            assert not in_reserve or picked.tenant in under, (picked, held, share)
             if held[picked.tenant] > share[picked.tenant]:  # over its share
-                waiting = {r.tenant for r in queued.values() if r.priority == picked.priority}
-                assert not (waiting & under), (picked, held, waiting & under)
+                level = {r.tenant for r in queued.values() if r.priority == picked.priority}
+                assert not (level & under), (picked, held, level & under)
             del queued[picked.id]
             running.append(picked)
-        assert len(running) >= slots or not len(queue)  # work-conserving
+        assert len(running) >= slots - reserve or not len(queue)  # work-conserving outside
 
     for index, (op, tenant, number) in enumerate(ops):
         now = float(index)

@@ -150,3 +150,29 @@ async def test_a_freed_slot_goes_by_slot_share_then_counter(named: bool, taker: 
     )
     tenants = dispatcher.queue.tenants()
     assert (tenants["light"]["in_flight"], tenants["heavy"]["in_flight"]) == (1, 3)
+
+
+@pytest.mark.asyncio
+async def test_the_slot_reserve_waits_for_a_newcomer() -> None:
+    """4 slots, a quarter reserved: heavy alone gets 3; light, arriving, the fourth at once.
+    Light's ends: the free slot is the reserve's, so heavy's next waits; one of heavy's
+    ends: two free, one outside the reserve, and heavy's next takes it."""
+    metrics = GatewayMetrics(CollectorRegistry())
+    replica = Replica("r0", "sim", "shared", "upstream", "http://unused", ReplicaState.READY, 4)
+    queue = QueueConfig(fairness=FairnessConfig(lag_tokens=0.0, reserve_fraction=0.25))
+    pools = {"shared": PoolSpec("shared", frozenset({0, 1, 2}))}
+    dispatcher = ModelDispatcher("sim", queue, pools, [replica], metrics)
+
+    def submit(rid: str, tenant: str) -> Ticket:
+        return dispatcher.submit(Request(rid, "sim", 0, time.monotonic(), tenant=tenant))
+
+    heavy = [submit(f"heavy{i}", "heavy") for i in range(5)]
+    assert [t.assigned.done() for t in heavy] == [True] * 3 + [False] * 2
+    described = dispatcher.describe_tenants()
+    assert (described["slots"], described["reserve_slots"]) == (4, 1)
+    light = submit("light0", "light")
+    assert light.assigned.done()
+    dispatcher.release(replica, request=light.request)
+    assert not heavy[3].assigned.done()
+    dispatcher.release(replica, request=heavy[0].request)
+    assert [t.assigned.done() for t in heavy[3:]] == [True, False]

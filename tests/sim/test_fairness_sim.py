@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tidegate.sim.recorder import RequestRecord
 from tidegate.sim.run import Scenario, Simulation
 from tidegate.sim.traces import open_trace
 from tidegate.sim.workload import Arrival, Limited, Listed
@@ -80,6 +81,27 @@ def _generation(fair: bool) -> dict[str, Any]:
     }
 
 
+def _run_generation(
+    data: dict[str, Any], arrivals: list[Arrival], slot_shares: bool = True
+) -> tuple[Simulation, dict[str, RequestRecord]]:
+    """``arrivals`` on ``data``'s generation model (10 ms a step); every one completes."""
+    scenario = Scenario(
+        config_of(data),
+        "m",
+        flat_step_service(10.0),
+        Listed("test", arrivals),
+        {"shared": 1},
+        keep_requests=True,
+    )
+    simulation = Simulation(scenario)
+    simulation.gateway.slot_shares = slot_shares
+    result = simulation.run()
+    assert result.recorder.requests is not None
+    records = {record.id: record for record in result.recorder.requests}
+    assert all(record.outcome == "completed" for record in records.values())
+    return simulation, records
+
+
 # At t=0: light's long request (4,000 prompt tokens: its counter is far above heavy's) and
 # heavy's ten; the 4 sequence slots go to light 1, heavy 3. At t=0.5 light's short one.
 GENERATION = [Arrival(0.0, 4000, 200, None, "light")] + [
@@ -96,25 +118,37 @@ def test_a_freed_sequence_slot_goes_to_the_tenant_under_its_share(
     """Light's long request ends first (t=2.0), freeing one slot: heavy holds 3, over its
     share of 2, so light's short request takes it, though heavy's counter is lower; without
     slot shares heavy's counter takes it. Every slot is given back at the end."""
-    scenario = Scenario(
-        config_of(_generation(True)),
-        "m",
-        flat_step_service(10.0),
-        Listed("test", GENERATION),
-        {"shared": 1},
-        keep_requests=True,
-    )
-    simulation = Simulation(scenario)
-    simulation.gateway.slot_shares = slot_shares
-    result = simulation.run()
-    assert result.recorder.requests is not None
-    records = {record.id: record for record in result.recorder.requests}
-    assert all(record.outcome == "completed" for record in records.values())
+    simulation, records = _run_generation(_generation(True), GENERATION, slot_shares)
     dispatched_at = {
         rid: GENERATION[int(rid)].arrival_s + (records[rid].wait_s or 0.0)
         for rid in (SHORT, HEAVY_NEXT)
     }
     assert min(dispatched_at, key=dispatched_at.__getitem__) == first
     assert dispatched_at[first] == pytest.approx(2.0, abs=0.005)
+    tenants = simulation.gateway.queue.tenants()
+    assert all(tenant["in_flight"] == 0 for tenant in tenants.values())
+
+
+# Heavy alone sends ten at t=0 (200 output tokens each: 2 s of decode); light one at t=0.5.
+FLOOD_THEN_LIGHT = [Arrival(0.001 * i, 10, 200, None, "heavy") for i in range(10)]
+FLOOD_THEN_LIGHT.append(Arrival(0.5, 10, 5, None, "light"))
+
+
+@pytest.mark.parametrize(
+    ("reserve_fraction", "heavy_started", "light_waits"), [(0.25, 3, False), (0.0, 4, True)]
+)
+def test_the_slot_reserve_starts_a_newcomer_at_once(
+    reserve_fraction: float, heavy_started: int, light_waits: bool
+) -> None:
+    """4 sequence slots, a quarter reserved: heavy, alone, starts 3 and light's request
+    takes the fourth on arrival; without the reserve heavy starts 4 and light waits for the
+    first to end (t=2). Every request completes and every slot is given back."""
+    data = _generation(True)
+    data["tenancy"]["slot_reserve_fraction"] = reserve_fraction
+    simulation, records = _run_generation(data, FLOOD_THEN_LIGHT)
+    started = sum((records[str(i)].wait_s or 0.0) < 0.1 for i in range(10))
+    assert started == heavy_started
+    light_wait_s = records[str(len(FLOOD_THEN_LIGHT) - 1)].wait_s or 0.0
+    assert (light_wait_s > 1.0) == light_waits, light_wait_s
     tenants = simulation.gateway.queue.tenants()
     assert all(tenant["in_flight"] == 0 for tenant in tenants.values())

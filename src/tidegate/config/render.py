@@ -67,6 +67,7 @@ def render_config(config: TidegateConfig) -> str:
             "output_weight": config.tenancy.fairness.output_weight,
             "lag_tokens": config.tenancy.fairness.lag_tokens,
             "weights": dict(config.tenancy.fairness.shares),
+            "slot_reserve_fraction": config.tenancy.fairness.reserve_fraction,
         },
     }
     header = [f"# tidegate configuration from {config.source}: valid; defaults filled in."]

@@ -231,6 +231,7 @@ class _Resolver:
                 output_weight=raw.output_weight,
                 lag_tokens=raw.lag_tokens,
                 shares=tuple(sorted(raw.weights.items())),
+                reserve_fraction=raw.slot_reserve_fraction,
             ),
         )
 

@@ -214,6 +214,8 @@ class _TenancyIn(_Strict):
     output_weight: NonNegativeFloat = 2.0
     lag_tokens: NonNegativeFloat = 1000.0
     weights: dict[str, PositiveFloat] = Field(default_factory=dict)  # tenant -> share
+    # of a model's slots, the last free ones held for a tenant under its slot share
+    slot_reserve_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.03125
 
 
 class _ConfigIn(_Strict):

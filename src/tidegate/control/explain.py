@@ -55,6 +55,13 @@ def format_tenants(model: str, described: dict[str, Any]) -> str:
             f"  a freed slot (of {slots}) goes first to a waiting tenant holding fewer than "
             "its slot share"
         )
+    reserve = described.get("reserve_slots", 0)
+    if slots and reserve:
+        lines.append(
+            f"  the last {reserve} free slots are held for a tenant under its slot share "
+            f"(shares divide the other {slots - reserve}): one at or over it waits, even "
+            "when nobody else does"
+        )
     ordered = sorted(tenants.items(), key=lambda item: (item[1]["counter"], item[0]))
     for tenant, state in ordered:
         share = f", share {state['share']:g}" if state.get("share", 1.0) != 1.0 else ""

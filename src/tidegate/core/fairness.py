@@ -29,6 +29,17 @@ one). Work-conserving: when no waiting tenant is under its share, the counters a
 decide, so a slot never idles while anyone waits. The caller counts a tenant's slots:
 ``occupy`` at a pick, ``vacate`` when its request ends.
 
+The slot reserve (``reserve_fraction`` > 0). A work-conserving rule cannot give a newcomer a
+slot that nobody gives back: a tenant alone takes every slot, its decodes started together,
+and the first tenant to arrive after it waits for the first of them to end, however far under
+its share. So the last ``reserve_slots(slots, reserve_fraction)`` free slots (at most
+``slots - 1``) are held for a tenant under its slot share, and slot shares divide the other
+``slots - reserve``: while no more than the reserve is free, a tenant at or over its share
+does not get a slot (``may_take``), even if nobody else waits; with more free, the rules
+above are unchanged. It costs at most reserve / slots of the model, and only while one
+tenant (or every active tenant at its share) fills it; a newcomer's first request starts at
+once.
+
 Pure: no clock, no I/O. Counters of tenants that are neither backlogged nor above the lift
 floor are forgotten (they would be lifted to the floor anyway), so memory follows the
 number of active tenants, not of every tenant ever seen.
@@ -36,6 +47,7 @@ number of active tenants, not of every tenant ever seen.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -52,6 +64,8 @@ class FairnessConfig:
     lag_tokens: float = 1000.0  # the most credit a tenant can bank by being idle
     # tenant -> share (default 1): a tenant of share 2 is served twice the weighted tokens
     shares: tuple[tuple[str, float], ...] = field(default=())
+    # of the model's slots, the last free ones held for a tenant under its slot share
+    reserve_fraction: float = 0.03125  # 1/32: 2 of 64 (bench_fairness)
 
     def __post_init__(self) -> None:
         if self.input_weight < 0 or self.output_weight < 0:
@@ -60,6 +74,10 @@ class FairnessConfig:
             raise ValueError("fairness needs a positive input or output token weight")
         if self.lag_tokens < 0:
             raise ValueError(f"fairness lag_tokens must be >= 0, got {self.lag_tokens}")
+        if not 0.0 <= self.reserve_fraction < 1.0:
+            raise ValueError(
+                f"fairness reserve_fraction must be in [0, 1), got {self.reserve_fraction}"
+            )
         for tenant, share in self.shares:
             if not share > 0:
                 raise ValueError(f"tenant {tenant!r}: share must be > 0, got {share}")
@@ -77,6 +95,14 @@ def slot_share(slots: int, share: float, active_shares: float) -> float:
     return max(1.0, slots * share / active_shares)
 
 
+def reserve_slots(slots: int, fraction: float) -> int:
+    """How many of ``slots`` the reserve holds: ``fraction`` of them rounded down, and never
+    every slot (at most ``slots - 1``), so a tenant alone always has one."""
+    if slots <= 1:
+        return 0
+    return min(slots - 1, math.floor(slots * fraction + 1e-9))
+
+
 class VirtualTokenCounters:
     """Per-tenant counters of weighted tokens served, which tenants are backlogged, and how
     many slots each holds."""
@@ -89,9 +115,11 @@ class VirtualTokenCounters:
         "_floor",
         "_held",
         "_input_weight",
+        "_num_held",
         "_prune_above",
+        "_reserve",
         "_shares",
-        "slots",
+        "_slots",
     )
 
     def __init__(self, config: FairnessConfig | None = None) -> None:
@@ -104,11 +132,28 @@ class VirtualTokenCounters:
         self._prune_above = _PRUNE_SLACK  # prune once this many counters are kept
         self._held: dict[str, int] = {}  # tenant -> slots it holds; present iff > 0
         self._active_shares = 0.0  # sum of the shares of tenants backlogged or holding slots
-        self.slots = 0  # the model's in-flight slots (the caller's); 0: no slot bound
+        self._num_held = 0  # slots held by all tenants together
+        self._slots = 0  # the model's in-flight slots (the caller's); 0: no slot bound
+        self._reserve = 0  # of them, held for a tenant under its share (``reserve_slots``)
 
     @property
     def config(self) -> FairnessConfig:
         return self._config
+
+    @property
+    def slots(self) -> int:
+        """The model's in-flight slots, set by the caller; 0: no slot bound."""
+        return self._slots
+
+    @slots.setter
+    def slots(self, slots: int) -> None:
+        self._slots = slots
+        self._reserve = reserve_slots(slots, self._config.reserve_fraction)
+
+    @property
+    def reserve(self) -> int:
+        """Of ``slots``, those held for a tenant under its slot share (module docstring)."""
+        return self._reserve
 
     # ------------------------------------------------------------------ backlog
     def arrive(self, tenant: str) -> None:
@@ -145,6 +190,7 @@ class VirtualTokenCounters:
         if held == 0 and tenant not in self._backlog:
             self._active_shares += self._shares.get(tenant, 1.0)
         self._held[tenant] = held + 1
+        self._num_held += 1
 
     def vacate(self, tenant: str) -> None:
         """A request of ``tenant`` gave its slot back (ended, failed, or put back in the
@@ -152,8 +198,10 @@ class VirtualTokenCounters:
         held = self._held.get(tenant, 0)
         if held > 1:
             self._held[tenant] = held - 1
+            self._num_held -= 1
         elif held == 1:
             del self._held[tenant]
+            self._num_held -= 1
             if tenant not in self._backlog:
                 self._inactive(tenant)
 
@@ -162,21 +210,35 @@ class VirtualTokenCounters:
         return self._held.get(tenant, 0)
 
     def slot_share(self, tenant: str) -> float:
-        """``tenant``'s share of ``slots`` among the active tenants (``slot_share``)."""
+        """``tenant``'s share of the slots outside the reserve among the active tenants
+        (``slot_share``)."""
         share = self._shares.get(tenant, 1.0)
         active = self._active_shares
         if tenant not in self._backlog and tenant not in self._held:
             active += share  # not active yet: as if it were
-        return slot_share(self.slots, share, active)
+        return slot_share(self._slots - self._reserve, share, active)
 
     def slot_standing(self, tenant: str, extra: int = 0) -> int:
         """``tenant``, holding ``extra`` more slots than it does, against its slot share:
         -1 under it, 0 at it, 1 over it; 0 with no slot bound (``slots`` 0)."""
-        if not self.slots:
+        if not self._slots:
             return 0
         held = self._held.get(tenant, 0) + extra
         share = self.slot_share(tenant)
         return -1 if held < share else (1 if held > share else 0)
+
+    def in_reserve(self, extra_total: int = 0) -> bool:
+        """Whether the free slots, with ``extra_total`` more held, are only the reserve."""
+        reserve = self._reserve
+        return bool(reserve) and self._slots - self._num_held - extra_total <= reserve
+
+    def may_take(self, tenant: str, extra: int = 0, extra_total: int = 0) -> bool:
+        """Whether a pick may give ``tenant`` a free slot, it holding ``extra`` more and all
+        tenants ``extra_total`` more than counted: outside the reserve always; in it, only
+        while under its slot share."""
+        if not self.in_reserve(extra_total):
+            return True
+        return self._held.get(tenant, 0) + extra < self.slot_share(tenant)
 
     # ------------------------------------------------------------------ charging
     def charge(self, tenant: str, weighted_tokens: float) -> None:
@@ -203,6 +265,7 @@ class VirtualTokenCounters:
         if held == 0 and tenant not in self._backlog:
             self._active_shares += self._shares.get(tenant, 1.0)
         self._held[tenant] = held + 1
+        self._num_held += 1
 
     def scaled(self, tenant: str, weighted_tokens: float) -> float:
         """What ``charge(tenant, weighted_tokens)`` adds to the counter: divided by the share."""
@@ -251,7 +314,7 @@ class VirtualTokenCounters:
                 "queued": self._backlog.get(tenant, 0),
                 "share": self._shares.get(tenant, 1.0),
                 "in_flight": self._held.get(tenant, 0),
-                "slot_share": round(self.slot_share(tenant), 1) if self.slots else 0.0,
+                "slot_share": round(self.slot_share(tenant), 1) if self._slots else 0.0,
             }
             for tenant in tenants
         }

@@ -39,6 +39,13 @@ goes; when none is under, the counters alone decide, so a pick never returns not
 the level waits (work-conserving). The aged head keeps its exception above: aging's bound
 on the wait comes first.
 
+The slot reserve (``FairnessConfig.reserve_fraction``, core.fairness): while only the
+reserve's slots are free, a tenant at or over its slot share gets none (``may_take``), at any
+level, sole tenant or not. A pick then tries the eligible level heads in effective-priority
+order and takes the first that a tenant under its share may have; none: it returns nothing
+(the caller waits for a slot to free or a request to arrive). An aged head is still taken
+whatever its tenant, so a pick that returns nothing leaves no head eligible by aging.
+
 Invariants:
 - every admitted request leaves exactly once: popped, shed, expired or cancelled;
 - ``len(queue) <= max_size`` and ``depth(level) <= level.max_size`` after every admission
@@ -743,10 +750,13 @@ class WaitQueue:
         """
         if n == 1:
             return self._select_one(now, levels)
-        if (
-            self.fair is not None
-            and any(fifos is not None and len(fifos) > 1 for fifos in self._tenant_fifos)
-            and not (n >= len(self._live) and max_tokens is None and levels is None)
+        fair = self.fair
+        if fair is not None and (
+            fair.reserve
+            or (
+                any(fifos is not None and len(fifos) > 1 for fifos in self._tenant_fifos)
+                and not (n >= len(self._live) and max_tokens is None and levels is None)
+            )
         ):
             return self._select_fair(n, now, max_tokens, levels)
         targets = self._targets(levels)
@@ -810,10 +820,19 @@ class WaitQueue:
                 best, best_key = head, key
         if best is None:
             return []
-        if self.fair is not None and not best_aged:
+        fair = self.fair
+        if fair is not None and not best_aged:
             fifos = self._tenant_fifos[best.request.priority]
             if fifos is not None and len(fifos) > 1:
-                return [self._least_served_head(fifos, frozenset(), {}, {})]
+                chosen = self._least_served_head(fifos, frozenset(), {}, {}, 0)
+                if chosen is not None:
+                    return [chosen]
+            elif fair.may_take(best.request.tenant):
+                return [best]
+            # Why: the reserve holds the free slots and this level's tenants are at or over
+            # their shares; a less urgent level may have a tenant under its share.
+            picked = self._pick_fair(now, served, frozenset(), {}, {}, 0)
+            return [] if picked is None else [picked]
         return [best]
 
     def _least_served_head(
@@ -822,17 +841,20 @@ class WaitQueue:
         taken: frozenset[int] | set[int],
         extra: dict[str, float],
         extra_held: dict[str, int],
-    ) -> _Entry:
+        extra_total: int,
+    ) -> _Entry | None:
         """The oldest request of the level's least-served tenant (ties: the earlier head),
-        passing over the tenants over their slot share while one under its share waits.
+        passing over the tenants over their slot share while one under its share waits;
+        while only the reserve is free, over those at their share too (None: all are).
 
-        ``taken`` (seqs), ``extra`` (counter increments) and ``extra_held`` (slots) are a
-        batch pick's own choices so far: ``_select_fair``.
+        ``taken`` (seqs), ``extra`` (counter increments), ``extra_held`` (slots per tenant)
+        and ``extra_total`` (slots) are a batch pick's own choices so far: ``_select_fair``.
         """
         fair = self.fair
         assert fair is not None
         counter = fair.counter
         standing = fair.slot_standing
+        reserved = fair.in_reserve(extra_total)
         best: _Entry | None = None  # of all
         best_key: tuple[float, float, int] | None = None
         within: _Entry | None = None  # of those not over their slot share
@@ -842,14 +864,15 @@ class WaitQueue:
             head = fifo[0] if not taken else _first_untaken(fifo, taken)
             if head is None:
                 continue
+            held = standing(tenant, extra_held.get(tenant, 0))
+            if reserved and held >= 0:
+                continue  # only a tenant under its share may have a reserved slot
             key = (counter(tenant) + extra.get(tenant, 0.0), head.request.arrival_at, head.seq)
             if best_key is None or key < best_key:
                 best, best_key = head, key
-            held = standing(tenant, extra_held.get(tenant, 0))
             if held <= 0 and (within_key is None or key < within_key):
                 within, within_key = head, key
             any_under = any_under or held < 0
-        assert best is not None  # the level head itself is one of them
         return within if any_under and within is not None else best
 
     def _select_fair(
@@ -859,7 +882,6 @@ class WaitQueue:
         each as ``_select_one`` would make it after the ones before (O(n * depth scanned))."""
         fair = self.fair
         assert fair is not None
-        aging = self.config.aging
         served = None if levels is None else _as_set(levels)
         taken: set[int] = set()
         extra: dict[str, float] = {}
@@ -867,36 +889,9 @@ class WaitQueue:
         chosen: list[_Entry] = []
         tokens = 0
         while len(chosen) < n:
-            best: _Entry | None = None
-            best_key: tuple[float, float, int] | None = None
-            best_aged = False
-            target = -1
-            for level in range(len(self._fifos)):
-                if served is None or level in served:
-                    target = level
-                elif target < 0:
-                    continue
-                head = _first_untaken(self._fifos[level], taken)
-                if head is None:
-                    continue
-                request = head.request
-                if target != level:
-                    at = reaches_level_at(level, target, request.arrival_at, aging)
-                    if at is None or now < at:
-                        continue
-                key = (
-                    effective_priority(request.priority, request.arrival_at, now, aging),
-                    request.arrival_at,
-                    head.seq,
-                )
-                if best_key is None or key < best_key:
-                    best_aged = target != level or best_key is not None
-                    best, best_key = head, key
+            best = self._pick_fair(now, served, taken, extra, extra_held, len(chosen))
             if best is None:
                 break
-            fifos = self._tenant_fifos[best.request.priority]
-            if not best_aged and fifos is not None and len(fifos) > 1:
-                best = self._least_served_head(fifos, taken, extra, extra_held)
             cost = best.request.cost_tokens
             if max_tokens is not None and chosen and tokens + cost > max_tokens:
                 break
@@ -907,6 +902,57 @@ class WaitQueue:
             extra[tenant] = extra.get(tenant, 0.0) + fair.scaled(tenant, fair.estimate(cost))
             extra_held[tenant] = extra_held.get(tenant, 0) + 1
         return chosen
+
+    def _pick_fair(
+        self,
+        now: float,
+        served: set[int] | frozenset[int] | None,
+        taken: set[int] | frozenset[int],
+        extra: dict[str, float],
+        extra_held: dict[str, int],
+        extra_total: int,
+    ) -> _Entry | None:
+        """One pick as ``_select_one`` makes it, after a batch's own choices (``taken``,
+        ``extra``, ``extra_held``, ``extra_total``: ``_least_served_head``), trying the
+        eligible level heads in key order until one may take a slot (the slot reserve)."""
+        fair = self.fair
+        assert fair is not None
+        aging = self.config.aging
+        heads: list[tuple[tuple[float, float, int], int, _Entry, bool]] = []
+        target = -1
+        for level in range(len(self._fifos)):
+            if served is None or level in served:
+                target = level
+            elif target < 0:
+                continue
+            head = _first_untaken(self._fifos[level], taken)
+            if head is None:
+                continue
+            request = head.request
+            if target != level:
+                at = reaches_level_at(level, target, request.arrival_at, aging)
+                if at is None or now < at:
+                    continue
+            key = (
+                effective_priority(request.priority, request.arrival_at, now, aging),
+                request.arrival_at,
+                head.seq,
+            )
+            heads.append((key, level, head, target != level))
+        for key, level, head, aged in sorted(heads, key=lambda item: item[0]):
+            # Aged: eligible only by aging, or ahead of a more urgent level's head by it.
+            if aged or any(other[0] > key for other in heads if other[1] < level):
+                return head
+            fifos = self._tenant_fifos[level]
+            if fifos is not None and len(fifos) > 1:
+                chosen = self._least_served_head(fifos, taken, extra, extra_held, extra_total)
+                if chosen is not None:
+                    return chosen
+            elif fair.may_take(
+                head.request.tenant, extra_held.get(head.request.tenant, 0), extra_total
+            ):
+                return head
+        return None
 
     def _targets(self, levels: Iterable[int] | None) -> list[int]:
         """Per level, the least urgent served level at or above it in urgency; -1 for none."""

@@ -19,8 +19,9 @@ when one returns.
 Fair sharing (``tenancy.fair_sharing``): the queue picks inside a level by tenant (core.fairness);
 a pick charges the request's token estimate, and ``settle`` replaces it with the answer's
 ``usage`` once a non-streamed answer is complete (a stream keeps its estimate). Each dispatch
-tells the queue the ready replicas' slots (``set_slots``), and a pick holds a slot of its
-tenant's share until ``release`` (``WaitQueue.vacate``). A release that does not name its
+tells the queue the ready replicas' slots (``set_slots``; of them, the slot reserve's are
+kept for a tenant under its share), and a pick holds a slot of its tenant's share until
+``release`` (``WaitQueue.vacate``). A release that does not name its
 request (``request=None``) frees the slot of the oldest request dispatched to that replica
 that is still there: exact with one slot per replica, a guess by dispatch order otherwise.
 
@@ -245,11 +246,13 @@ class ModelDispatcher:
             self.queue.settle(request, *usage)
 
     def describe_tenants(self) -> dict[str, object]:
-        """Fair sharing's state: per tenant its virtual token counter, queued and share."""
+        """Fair sharing's state: per tenant its virtual token counter, queued and share;
+        the slots and, of them, the reserve's."""
         fair = self.queue.fair
         return {
             "fair_sharing": fair is not None,
             "slots": 0 if fair is None else fair.slots,
+            "reserve_slots": 0 if fair is None else fair.reserve,
             "tenants": self.queue.tenants(),
         }
 
