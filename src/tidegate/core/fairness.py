@@ -236,7 +236,8 @@ class VirtualTokenCounters:
         """Whether a pick may give ``tenant`` a free slot, it holding ``extra`` more and all
         tenants ``extra_total`` more than counted: outside the reserve always; in it, only
         while under its slot share."""
-        if not self.in_reserve(extra_total):
+        reserve = self._reserve  # (``in_reserve`` inline: every pick of a sole tenant asks)
+        if not reserve or self._slots - self._num_held - extra_total > reserve:
             return True
         return self._held.get(tenant, 0) + extra < self.slot_share(tenant)
 
