@@ -15,8 +15,10 @@ side by side: the order before slot shares.
    capacity is measured first (the heavy client alone at 20x overload: completions per
    second); then the light client is offered ``--light-share`` of its fair share and the
    heavy one 10x its fair share. Runs: light alone; light + heavy under FIFO; under VTC
-   with counters only; under VTC with slot shares. Latency: end-to-end per request (queue
-   wait included) and TTFT, by tenant; TTFT also of the arrivals after the first
+   with counters only; under VTC with slot shares and no slot reserve; under VTC with the
+   slot reserve (``--reserve-fraction``, default the configuration's: the verdicts'); then
+   one run per ``--reserve-sweep`` fraction (rows only). Latency: end-to-end per request
+   (queue wait included) and TTFT, by tenant; TTFT also of the arrivals after the first
    ``--warmup-s`` (the flood takes every slot at the start, before the light one sends).
 0. Single-tenant cost: bench_queue's pick loop (pre-filled to a depth, then submit one, pick
    one, each pick timed alone) on a WaitQueue without fair sharing and on one with it, every
@@ -32,8 +34,8 @@ side by side: the order before slot shares.
 Run (about 7 minutes on 2 cores; ``--quick``: shorter runs, sim only):
     .venv/bin/python benchmarks/bench_fairness.py [--quick] [--no-gateway] [--json out.json]
         [--verdict v.json] [--gateway-replicas N --service-ms MS]
-Prints markdown tables, PASS/MISS lines and NOTE lines (slot shares before -> after, same
-run); always exits 0.
+Prints markdown tables, PASS/MISS lines and NOTE lines (slot shares, then the slot reserve,
+before -> after, same run); always exits 0.
 """
 
 from __future__ import annotations
