@@ -51,6 +51,10 @@ def _r(i: int, level: int, at: float, tokens: int = 1) -> Request:
 LEVELS = BatchConfig(max_batch_size=4, batch_window_ms=10.0, level_windows_ms=(0.0, 4.0))
 LOAD = BatchConfig(max_batch_size=4, batch_window_ms=10.0, load_aware=True)
 LENGTH = BatchConfig(max_batch_size=3, batch_window_ms=10.0, length_candidates=8)
+# On cost: a batch's overhead is 30 tokens of work; padding within (members - 1) x 30.
+COST = BatchConfig(
+    max_batch_size=3, batch_window_ms=10.0, length_candidates=8, batch_overhead_tokens=30.0
+)
 SCENARIOS = [
     Scenario(
         "high_request_with_zero_window_goes_at_once",
@@ -141,6 +145,42 @@ SCENARIOS = [
         WaitUntil(1.010),
     ),
     Scenario(
+        "ratio_rule_refuses_two_short_inputs_padded_by_half",
+        [_r(0, 1, 1.0, 10), _r(1, 1, 1.0, 30)],
+        LENGTH,
+        1.0,
+        Release((_r(0, 1, 1.0, 10),), "length"),
+    ),
+    Scenario(
+        "cost_rule_pairs_two_short_inputs_padded_by_less_than_a_batch_costs",
+        [_r(0, 1, 1.0, 10), _r(1, 1, 1.0, 30)],
+        COST,
+        1.001,
+        WaitUntil(1.010),  # 20 padding tokens < 30: one batch of two, waiting for a third
+    ),
+    Scenario(
+        "ratio_rule_pairs_two_long_inputs_within_its_ratio",
+        [_r(0, 1, 1.0, 200), _r(1, 1, 1.0, 160)],
+        LENGTH,
+        1.001,
+        WaitUntil(1.010),
+    ),
+    Scenario(
+        "cost_rule_refuses_two_long_inputs_padded_by_more_than_a_batch_costs",
+        [_r(0, 1, 1.0, 200), _r(1, 1, 1.0, 160)],
+        COST,
+        1.0,
+        Release((_r(0, 1, 1.0, 200),), "length"),  # 40 padding tokens > 30
+    ),
+    Scenario(
+        "cost_rule_lets_a_third_in_on_the_two_overheads_it_saves",
+        [_r(0, 1, 1.0, 60), _r(1, 1, 1.0, 10), _r(2, 1, 1.0, 64)],
+        COST,
+        1.0,
+        # 3 x 64 - 134 = 58 padding tokens <= 2 x 30: cheaper than three batches
+        Release((_r(0, 1, 1.0, 60), _r(1, 1, 1.0, 10), _r(2, 1, 1.0, 64)), "full_size"),
+    ),
+    Scenario(
         "length_aware_head_always_goes_even_alone",
         [_r(0, 2, 1.0, 200), _r(1, 0, 1.0, 5)],
         LENGTH,
@@ -167,6 +207,8 @@ def test_plan_batch_adaptive(scenario: Scenario) -> None:
         ({"level_windows_ms": (-1.0,)}, "level 0 window"),
         ({"length_candidates": -1}, "length_candidates"),
         ({"max_padding_ratio": 0.9}, "max_padding_ratio"),
+        ({"batch_overhead_tokens": -1.0}, "batch_overhead_tokens"),
+        ({"batch_overhead_tokens": math.nan}, "batch_overhead_tokens"),
     ],
 )
 def test_invalid_adaptive_config_is_refused(kwargs: dict[str, object], message: str) -> None:
@@ -190,6 +232,7 @@ configs = st.builds(
     load_aware=st.booleans(),
     length_candidates=st.integers(0, 24),
     max_padding_ratio=st.floats(1.0, 3.0),
+    batch_overhead_tokens=st.one_of(st.none(), st.floats(0.0, 200.0)),
 )
 
 
@@ -235,7 +278,12 @@ def test_adaptive_plan_keeps_the_batch_invariants(
     if config.length_aware and len(batch) > 1:
         real = sum(max(1, r.cost_tokens) for r in batch)
         padded = len(batch) * max(max(1, r.cost_tokens) for r in batch)
-        assert padded <= config.max_padding_ratio * real + 1e-9
+        overhead = config.batch_overhead_tokens
+        if overhead is None:
+            assert padded <= config.max_padding_ratio * real + 1e-9
+        else:
+            # On cost: one padded batch is predicted to cost no more than its members apart.
+            assert overhead + padded <= len(batch) * overhead + real + 1e-9
 
 
 @settings(max_examples=300, deadline=None)
@@ -269,16 +317,19 @@ def test_adaptive_windows_never_wait_longer_than_the_fixed_rule(
     st.integers(1, 8),
     st.integers(2, 32),
     st.floats(1.0, 2.0),
+    st.one_of(st.none(), st.floats(0.0, 100.0)),
 )
 def test_length_aware_releases_every_request_within_its_position(
-    lengths: list[int], size: int, candidates: int, ratio: float
+    lengths: list[int], size: int, candidates: int, ratio: float, overhead: float | None
 ) -> None:
-    """The bound of the module note: position p in pick order is batched within p releases."""
+    """The bound of the module note: position p in pick order is batched within p releases,
+    under either rule."""
     config = BatchConfig(
         max_batch_size=size,
         batch_window_ms=0.0,
         length_candidates=candidates,
         max_padding_ratio=ratio,
+        batch_overhead_tokens=overhead,
     )
     queue = [req(f"r{i}", 1, i * 1e-6, tokens=n) for i, n in enumerate(lengths)]
     position = {r.id: p for p, r in enumerate(queue)}
@@ -668,3 +719,16 @@ def test_adaptive_cap_holds_when_the_latency_is_queueing() -> None:
 
 def test_decide_batch_cap_over_target_while_queueing_holds() -> None:
     assert decide_batch_cap(16, 0.2, CAP, queueing=True) == (16, "hold_queueing")
+
+
+@pytest.mark.parametrize(
+    ("config", "rule"),
+    [
+        (COST, "cost: padding within (members - 1) x 30 tokens"),
+        (LENGTH, "ratio: padded tokens within 1.25 x real"),
+        (LEVELS, None),
+    ],
+    ids=["on_cost", "on_ratio", "off"],
+)
+def test_stats_say_which_rule_lets_padding_in(config: BatchConfig, rule: str | None) -> None:
+    assert BatchPlanner(config).describe(0.0)["length_rule"] == rule

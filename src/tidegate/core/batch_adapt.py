@@ -351,6 +351,7 @@ class BatchPlanner:
             "load_aware": config.load_aware,
             "arrival_rate_per_s": None if rate is None else round(rate, 3),
             "length_candidates": config.length_candidates if config.length_aware else 0,
+            "length_rule": _length_rule(config),
             "last_release_reason": self.last_reason,
             "releases_by_reason": {k: v for k, v in self.releases.items() if v},
         }
@@ -365,3 +366,12 @@ class BatchPlanner:
                 "bounds": [self.cap.config.min_batch_size, self.cap.config.max_batch_size],
             }
         return described
+
+
+def _length_rule(config: BatchConfig) -> str | None:
+    """When length-aware formation lets padding in (core.batching's note); None: off."""
+    if not config.length_aware:
+        return None
+    if config.batch_overhead_tokens is not None:
+        return f"cost: padding within (members - 1) x {config.batch_overhead_tokens:g} tokens"
+    return f"ratio: padded tokens within {config.max_padding_ratio:g} x real"

@@ -19,10 +19,17 @@ Three adaptive levers refine it, each off unless configured:
   input, so mixed lengths waste work. The batch always holds the head of the pick order (the
   most urgent, most aged request); its companions are the requests among the first
   ``length_candidates`` in pick order whose token length is nearest the head's, taken while
-  the padded tokens (members x longest) stay within ``max_padding_ratio`` x their real
-  tokens. Bound: only those first ``length_candidates`` can overtake, and every release
-  takes the current head, so a request at position p of the pick order is in a batch within
-  p releases unless more urgent work arrives (which the priority order itself allows). When
+  the padding pays. Two rules say when it does. By default, while the padded tokens
+  (members x longest) stay within ``max_padding_ratio`` x their real tokens. On cost, with
+  ``batch_overhead_tokens`` (a batch costs a fixed overhead plus a cost per padded token;
+  the overhead in tokens of work is the ratio of the two): while the padding stays within
+  (members - 1) x that overhead, i.e. while one padded batch is predicted to cost no more
+  than its members run apart. The ratio rule pairs two long inputs that waste more than a
+  batch saves, and refuses two short ones that waste less (measured on minilm on CPU,
+  docs/benchmarks.md). Bound: only those first ``length_candidates`` can overtake, and
+  every release takes the current head, so a request at position p of the pick order is in
+  a batch within p releases unless more urgent work arrives (which the priority order itself
+  allows). Neither rule changes who may overtake, only which candidates join. When
   requests left out for their length are waiting, the batch goes at once: the engine does
   not idle while work waits.
 
@@ -65,6 +72,9 @@ class BatchConfig:
     load_aware: bool = False  # release when under one companion is expected (needs a rate)
     length_candidates: int = 0  # <= 1: batches are the head of the pick order, as before
     max_padding_ratio: float = 1.25  # length-aware: padded tokens / real tokens, at most
+    # Length-aware on cost: a batch's fixed cost in tokens of work (its overhead / the cost
+    # of one padded token); padding stays within (members - 1) x this. None: the ratio rule.
+    batch_overhead_tokens: float | None = None
     # AIMD cap (core.batch_adapt.AdaptiveCap): the most urgent level's P99 target, in ms;
     # None: the count bound stays max_batch_size. The cap never goes below min_batch_size.
     target_p99_ms: float | None = None
@@ -87,6 +97,10 @@ class BatchConfig:
             raise ValueError(f"length_candidates must be >= 0, got {self.length_candidates}")
         if self.max_padding_ratio < 1:
             raise ValueError(f"max_padding_ratio must be >= 1, got {self.max_padding_ratio}")
+        if self.batch_overhead_tokens is not None and not self.batch_overhead_tokens >= 0:
+            raise ValueError(
+                f"batch_overhead_tokens must be >= 0, got {self.batch_overhead_tokens}"
+            )
         if self.target_p99_ms is not None and self.target_p99_ms <= 0:
             raise ValueError(f"target_p99_ms must be > 0, got {self.target_p99_ms}")
         if not 1 <= self.min_batch_size <= self.max_batch_size:
@@ -98,6 +112,13 @@ class BatchConfig:
     @property
     def length_aware(self) -> bool:
         return self.length_candidates > 1
+
+    def padding_pays(self, members: int, padded_tokens: int, real_tokens: int) -> bool:
+        """Whether a length-aware batch of ``members`` may run ``padded_tokens`` (members x
+        longest) for its ``real_tokens`` (the module note's two rules)."""
+        if self.batch_overhead_tokens is not None:
+            return padded_tokens - real_tokens <= (members - 1) * self.batch_overhead_tokens
+        return padded_tokens <= self.max_padding_ratio * real_tokens
 
     def peek_size(self) -> int:
         """How much of the pick order the planner needs to see."""
@@ -223,7 +244,7 @@ def _form_by_length(
             stopped_by_tokens = True
             continue  # a nearer length may still fit; the batch is full by tokens anyway
         padded = (len(chosen) + 1) * max(longest, cost)
-        if padded > config.max_padding_ratio * (real + max(1, cost)):
+        if not config.padding_pays(len(chosen) + 1, padded, real + max(1, cost)):
             continue
         chosen.append(index)
         tokens += cost
