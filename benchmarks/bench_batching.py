@@ -24,15 +24,17 @@ Parts (each optional):
    (``--length-candidates 64 --max-padding-ratio 1.25``); the knee batch of each, and each
    batch point's worker CPU per input.
 4. ``pairs``: the pairing probe, minilm in this process: random pairs of that workload, each
-   run as one padded batch and as two batches of one; engine time together over apart for
-   every pair, for the pairs length-aware formation forms and for those it leaves apart, and
-   the batch of one's overhead and per-token cost: what batching by length can save here.
+   run as one padded batch and as two batches of one; the batch of one's overhead and
+   per-token cost, and engine time together over apart for every pair and for the pairs
+   each length-aware rule forms or leaves apart (the padding ratio 1.25; the rule on cost,
+   ``batch_overhead_tokens``, with the overhead just measured): what batching by length can
+   save here, and whether each rule picks the pairs that save.
 
 Targets (PASS/MISS): at low load the high p50 improves by at least the window (5 ms); at the
 knee and at 2x overload throughput within 5% of the fixed rule's and high p99 no worse
 (10% slack in the real part: the machine is shared and noisy, see docs/benchmarks.md); the
-profile knee on the mixed workload above batch 1 with length-aware formation; the pairs it
-forms cost the engine less than apart.
+profile knee on the mixed workload above batch 1 with length-aware formation; the pairs each
+length-aware rule forms cost the engine less than apart.
 
 Run:
     .venv/bin/python benchmarks/bench_batching.py [--parts sim real profile pairs] [--quick]
@@ -82,7 +84,8 @@ ADAPTIVE_FLAGS: tuple[str, ...] = (
     "--target-p99-ms",
     "100",
 )
-LENGTH_FLAGS = {"length_candidates": 64, "max_padding_ratio": 1.25}
+LENGTH_CANDIDATES, MAX_PADDING_RATIO = 64, 1.25
+LENGTH_FLAGS = {"length_candidates": LENGTH_CANDIDATES, "max_padding_ratio": MAX_PADDING_RATIO}
 SLOW = 3.0  # the slow machine of the simulated part: every batch costs 3x the profile's
 
 
@@ -414,24 +417,29 @@ def _engine_ms(engine: Any, texts: list[str]) -> float:
 
 @dataclass(frozen=True)
 class _Pair:
-    tokens: tuple[int, int]  # as the engine runs them (truncated)
-    formed: bool  # the length-aware rule batches the two together
+    tokens: tuple[int, int]  # as the worker counts them (the engine truncates past 256)
     padded_ms: float  # one batch of the two
     alone_ms: tuple[float, float]  # each in a batch of one
 
 
+def _forms(config: Any, pair: _Pair) -> bool:
+    """Whether length-aware formation under ``config`` batches the pair together: a queue of
+    the two, the head and one candidate, as in the profile's batch sweep at batch 2."""
+    from tidegate.core.batching import BatchView, plan_batch
+    from tidegate.core.request import Request
+
+    head = [Request(f"p{n}", "minilm", 1, 0.0, cost_tokens=t) for n, t in enumerate(pair.tokens)]
+    return len(getattr(plan_batch(BatchView(head, 2), config, 0.0), "batch", ())) == 2
+
+
 def _time_pairs(num_pairs: int) -> list[_Pair]:
     """Random pairs of the mixed workload, each run padded together and apart, back to back
-    (order alternating), so load on the machine shifts both alike; with what the rule does
-    with a queue of the two (the head and one candidate, as in the batch sweep at batch 2)."""
+    (order alternating), so load on the machine shifts both alike."""
     import numpy as np
 
-    from tidegate.core.batching import BatchConfig, BatchView, plan_batch
-    from tidegate.core.request import Request
     from tidegate.profile.workload import synthetic_workload
 
     engine, sizer = _probe_engine()
-    rule = BatchConfig(max_batch_size=2, batch_window_ms=0.0, **LENGTH_FLAGS)
     lengths = synthetic_workload("embeddings", PROBE_SEED).input_tokens
     rng = np.random.default_rng(PROBE_SEED)
     _engine_ms(engine, [sizer.text(64, 0)] * 2)  # warm up
@@ -440,16 +448,13 @@ def _time_pairs(num_pairs: int) -> list[_Pair]:
         i, j = (int(x) for x in rng.choice(len(lengths), 2))
         texts = [sizer.text(lengths[i], i), sizer.text(lengths[j], j)]
         a, b = engine.count_tokens(texts)
-        head = [Request(f"p{n}", "minilm", 1, 0.0, cost_tokens=t) for n, t in enumerate((a, b))]
-        formed = len(getattr(plan_batch(BatchView(head, 2), rule, 0.0), "batch", ())) == 2
         if k % 2:
             padded = _engine_ms(engine, texts)
             alone = (_engine_ms(engine, texts[:1]), _engine_ms(engine, texts[1:]))
         else:
             alone = (_engine_ms(engine, texts[:1]), _engine_ms(engine, texts[1:]))
             padded = _engine_ms(engine, texts)
-        clipped = (min(a, MINILM_MAX_TOKENS), min(b, MINILM_MAX_TOKENS))
-        pairs.append(_Pair(clipped, formed, padded, alone))
+        pairs.append(_Pair((a, b), padded, alone))
     return pairs
 
 
@@ -462,42 +467,64 @@ def _padded_over_apart(pairs: list[_Pair]) -> str:
 
 
 def pairing_probe(quick: bool) -> list[str]:
-    """What the rule's pairs cost the engine itself, without the closed loop: the batch of
-    one's overhead and per-token cost (least squares over the singles), and engine time
-    padded together over apart for every pair, the pairs the rule forms, those it leaves."""
+    """What length-aware pairs cost the engine itself, without the closed loop: the batch of
+    one's overhead and per-token cost (least squares over the singles), then engine time
+    padded together over apart for every pair and for the pairs each rule forms or leaves:
+    the ratio rule (``LENGTH_FLAGS``) and the rule on cost with the overhead just measured."""
     import numpy as np
+
+    from tidegate.core.batching import BatchConfig
 
     num_pairs = PROBE_PAIRS_QUICK if quick else PROBE_PAIRS
     pairs = _time_pairs(num_pairs)
-    singles = [(t, ms) for p in pairs for t, ms in zip(p.tokens, p.alone_ms, strict=True)]
+    singles = [
+        (min(t, MINILM_MAX_TOKENS), ms)
+        for p in pairs
+        for t, ms in zip(p.tokens, p.alone_ms, strict=True)
+    ]
     fit = np.array([[1.0, t] for t, _ in singles])
     (overhead, per_token), *_ = np.linalg.lstsq(fit, np.array([ms for _, ms in singles]))
+    overhead_tokens = max(0.0, float(overhead / per_token))
     mean_tokens = float(np.mean([t for t, _ in singles]))
-    formed = [p for p in pairs if p.formed]
-    # What a rule on cost would form: padding within the per-batch overhead it saves.
-    within = [p for p in pairs if 2 * max(p.tokens) - sum(p.tokens) <= overhead / per_token]
     mean_ms = overhead + per_token * mean_tokens
     print(f"\n## Pairing probe: {num_pairs} random pairs of the mixed workload on minilm\n")
     print(
         f"- a batch of one: {overhead:.1f} ms + {per_token:.3f} ms per token (the overhead is "
-        f"{overhead / per_token:.0f} tokens of work); mean input {mean_tokens:.1f} tokens"
+        f"{overhead_tokens:.0f} tokens of work); mean input {mean_tokens:.1f} tokens"
     )
-    print(f"- engine time padded together / apart, every pair: {_padded_over_apart(pairs)}")
-    print(f"- the pairs length-aware formation forms {LENGTH_FLAGS}: {_padded_over_apart(formed)}")
-    print(f"- the pairs it leaves apart: {_padded_over_apart([p for p in pairs if not p.formed])}")
-    print(f"- the pairs padded by at most the overhead's tokens: {_padded_over_apart(within)}")
     print(
         f"- the most batch 2 can gain (pairs of equal length, half the overhead saved per "
         f"input): {mean_ms / (mean_ms - overhead / 2):.3f}x the inputs per engine second"
     )
-    saving = sum(p.padded_ms for p in formed) < sum(sum(p.alone_ms) for p in formed)
-    return [
-        _verdict(
-            bool(formed) and saving,
-            f"the pairs length-aware formation forms cost the engine less than apart: "
-            f"{_padded_over_apart(formed)}",
+    print(f"- engine time padded together / apart, every pair: {_padded_over_apart(pairs)}")
+    rules = {
+        f"ratio {MAX_PADDING_RATIO:g}": None,
+        f"cost, overhead {overhead_tokens:.0f} tokens": overhead_tokens,
+    }
+    verdicts = []
+    for name, on_cost in rules.items():
+        config = BatchConfig(
+            max_batch_size=2,
+            batch_window_ms=0.0,
+            length_candidates=LENGTH_CANDIDATES,
+            max_padding_ratio=MAX_PADDING_RATIO,
+            batch_overhead_tokens=on_cost,
         )
-    ]
+        formed = [p for p in pairs if _forms(config, p)]
+        left = [p for p in pairs if not _forms(config, p)]
+        print(
+            f"- rule {name}: the pairs it forms {_padded_over_apart(formed)}, "
+            f"those it leaves apart {_padded_over_apart(left)}"
+        )
+        saves = sum(p.padded_ms for p in formed) < sum(sum(p.alone_ms) for p in formed)
+        verdicts.append(
+            _verdict(
+                bool(formed) and saves,
+                f"length-aware pairs ({name}) cost the engine less than apart: "
+                f"{_padded_over_apart(formed)}",
+            )
+        )
+    return verdicts
 
 
 def profile_part(quick: bool) -> list[str]:
