@@ -752,7 +752,7 @@ class WaitQueue:
             return self._select_one(now, levels)
         fair = self.fair
         if fair is not None and (
-            fair.reserve
+            fair.in_reserve(n - 1)  # the batch's last pick would find only the reserve free
             or (
                 any(fifos is not None and len(fifos) > 1 for fifos in self._tenant_fifos)
                 and not (n >= len(self._live) and max_tokens is None and levels is None)
