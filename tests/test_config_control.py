@@ -719,6 +719,32 @@ def test_engine_process_goes_to_the_workers_and_renders_back() -> None:
     assert not {"--engine-process", "--no-engine-process"} & set(worker_command(default))
 
 
+def test_engine_threads_go_to_the_workers_and_render_back() -> None:
+    config = parse({"models": [{**GEN, "engine_threads": 1}]})
+    settings = config.worker_settings("gen")
+    assert settings.engine_threads == 1
+    command = worker_command(settings)
+    assert command[command.index("--engine-threads") + 1] == "1"
+    assert parse(yaml.safe_load(render_config(config))).model("gen").engine_threads == 1
+    default = parse(model()).worker_settings("sim")
+    assert default.engine_threads is None  # the engine's own default: every core
+    assert "--engine-threads" not in worker_command(default)
+
+
+@pytest.mark.parametrize(
+    ("entry", "fix"),
+    [
+        ({**SIM, "engine_threads": 0}, "models[0].engine_threads"),
+        ({**UPSTREAM, "engine_threads": 2}, "upstream server's own thread option"),
+    ],
+)
+def test_bad_engine_threads_name_the_key_and_fix(entry: dict[str, Any], fix: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse({"models": [entry]})
+    assert "engine_threads" in caught.value.key
+    assert fix in str(caught.value)
+
+
 def test_engine_process_on_a_generation_model_names_the_key_and_fix() -> None:
     with pytest.raises(ConfigError) as caught:
         parse({"models": [{**GEN, "engine_process": False}]})

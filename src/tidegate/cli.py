@@ -116,6 +116,14 @@ def worker(
             "GIL. Default: off.",
         ),
     ] = None,
+    engine_threads: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="CPU: the engine's operator threads (torch). Default: every core; fewer "
+            "keep it steady on a host it shares with the gateway.",
+        ),
+    ] = None,
     level_windows_ms: Annotated[
         str,
         typer.Option(
@@ -168,6 +176,7 @@ def worker(
         memory_fraction=memory_fraction,
         probe_max_ms=probe_max_ms,
         engine_process=engine_process,
+        engine_threads=engine_threads,
     )
     try:
         settings.batch_config()

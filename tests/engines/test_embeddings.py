@@ -68,3 +68,19 @@ def test_counting_tokens_while_a_batch_runs_is_safe(in_process: TransformersEmbe
         in_process.count_tokens(["counting on the event loop", "while batches run"])
     thread.join()
     assert errors == []
+
+
+def test_engine_threads_set_torchs_intra_op_threads() -> None:
+    import pytest
+    import torch
+
+    from tidegate.engines.hf_runtime import claim_device
+
+    before = torch.get_num_threads()
+    try:
+        assert claim_device("cpu", None, 1).type == "cpu"
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="at least 1"):
+        TransformersEmbeddings("minilm", threads=0)

@@ -143,6 +143,8 @@ def _render_model(model: ModelSpec, levels: tuple[str, ...]) -> dict[str, Any]:
     out["probe_max_ms"] = model.probe_max_ms
     if model.local and model.task == "embeddings":
         out["engine_process"] = model.engine_process
+    if model.local:
+        out["engine_threads"] = model.engine_threads
     out["autoscaling"] = (
         None if model.autoscaling is None else render_autoscaling(model.autoscaling)
     )

@@ -406,6 +406,7 @@ class _Resolver:
             autoscaling=control.autoscaling,
             probe_max_ms=m.probe_max_ms,
             engine_process=m.engine_process,
+            engine_threads=m.engine_threads,
             upstream_keys=upstream_keys if any(upstream_keys) else (),
             routing=self._routing(m.routing, f"{key}.routing", task),
         )
@@ -433,6 +434,13 @@ class _Resolver:
                 "engine_process is only for embedding models served by tidegate's own workers "
                 f"(this model: task {task}, engine {m.engine})",
                 "remove engine_process",
+            )
+        if m.engine_threads is not None and m.engine == "openai":
+            self.fail(
+                f"{key}.engine_threads",
+                "engine_threads sets the threads of tidegate's own workers' engines; an "
+                "openai upstream runs its own engine",
+                "remove engine_threads (set the upstream server's own thread option)",
             )
         if m.profile is not None and m.engine != "simulated":
             self.fail(

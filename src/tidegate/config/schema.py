@@ -184,6 +184,7 @@ class _ModelIn(_Strict):
     drain_timeout_s: NonNegativeFloat = 30.0
     probe_max_ms: PositiveFloat | None = None  # ready only once a probe after warm-up is this fast
     engine_process: bool | None = None  # embeddings: the model in a process of its own
+    engine_threads: PositiveInt | None = None  # CPU: torch's intra-op threads; None: all cores
     autoscaling: _AutoscalingIn | None = None
 
 

@@ -164,6 +164,9 @@ class ModelSpec:
     probe_max_ms: float | None = None  # ready only once a probe after warm-up is this fast
     # embeddings: the model in a process of its own (engines/process.py); None: the default
     engine_process: bool | None = None
+    # CPU threads of the engine's operators (torch.set_num_threads); None: the engine's
+    # default, every core of the host
+    engine_threads: int | None = None
     # per upstream (same order as ``upstreams``): its API key, or None; () when none has one
     upstream_keys: tuple[UpstreamKey | None, ...] = ()
     routing: RoutingSpec = RoutingSpec()
@@ -383,6 +386,7 @@ class TidegateConfig:
             profile=model.profile,
             probe_max_ms=model.probe_max_ms,
             engine_process=model.engine_process,
+            engine_threads=model.engine_threads,
         )
 
     # ------------------------------------------------------------------ keys

@@ -161,6 +161,8 @@ def worker_command(settings: WorkerSettings, log_level: str = "info") -> list[st
         args += ["--memory-fraction", f"{s.memory_fraction:.4f}"]
     if s.engine_process is not None:
         args.append("--engine-process" if s.engine_process else "--no-engine-process")
+    if s.engine_threads is not None:
+        args += ["--engine-threads", str(s.engine_threads)]
     return args
 
 

@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from tidegate.engines.base import MemoryReport, ModelCard, Vectors
-from tidegate.engines.hf_runtime import claim_device, engine_memory, quiet_transformers
+from tidegate.engines.hf_runtime import (
+    check_threads,
+    claim_device,
+    engine_memory,
+    quiet_transformers,
+)
 
 MINILM_DESCRIPTION = (
     "sentence-transformers/all-MiniLM-L6-v2: 384-dim sentence embeddings "
@@ -79,6 +84,7 @@ class TransformersEmbeddings:
         model_path: str | None = None,
         device: str = "cpu",
         memory_fraction: float | None = None,
+        threads: int | None = None,
     ) -> None:
         if memory_fraction is not None and not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], not {memory_fraction}")
@@ -86,6 +92,7 @@ class TransformersEmbeddings:
         self.model_path = model_path
         self.device = device
         self.memory_fraction = memory_fraction
+        self.threads = None if threads is None else check_threads(threads)
         self.card = ModelCard(
             name=name,
             task="embeddings",
@@ -106,7 +113,7 @@ class TransformersEmbeddings:
         folder = model_folder(self.model_path)
         self._tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModel.from_pretrained(folder, local_files_only=True)
-        self._model = model.to(claim_device(self.device, self.memory_fraction)).eval()
+        self._model = model.to(claim_device(self.device, self.memory_fraction, self.threads)).eval()
         config = model.config
         positions = int(getattr(config, "max_position_embeddings", 512))
         self._max_seq_length = min(positions, _max_seq_length(folder, positions))

@@ -57,7 +57,12 @@ from tidegate.engines.base import (
     SamplingParams,
     TokenEvent,
 )
-from tidegate.engines.hf_runtime import claim_device, engine_memory, quiet_transformers
+from tidegate.engines.hf_runtime import (
+    check_threads,
+    claim_device,
+    engine_memory,
+    quiet_transformers,
+)
 from tidegate.engines.model_folder import local_model_folder
 from tidegate.engines.text import StopScanner
 from tidegate.errors import InvalidRequest, PromptTooLong, ReplicaFailed
@@ -180,6 +185,7 @@ class TransformersGenerator:
         max_context_tokens: int | None = None,
         cache_dir: Path | None = None,
         description: str | None = None,
+        threads: int | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, not {max_num_seqs}")
@@ -192,6 +198,7 @@ class TransformersGenerator:
         self.max_num_seqs = max_num_seqs
         self.synthetic = synthetic
         self.memory_fraction = memory_fraction
+        self.threads = None if threads is None else check_threads(threads)
         self.cache_dir = cache_dir
         self._context_limit = max_context_tokens
         self._description = description
@@ -263,7 +270,7 @@ class TransformersGenerator:
             folder = local_model_folder(self.model_path, self.cache_dir)
         else:
             folder = tiny_llama.ensure_tiny_llama(self.cache_dir)
-        device = claim_device(self.device, self.memory_fraction)
+        device = claim_device(self.device, self.memory_fraction, self.threads)
         tokenizer = hf.AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = hf.AutoModelForCausalLM.from_pretrained(
             folder,

@@ -52,6 +52,7 @@ def build_engine(
     seed: int = 0,
     max_num_seqs: int = 16,
     memory_fraction: float | None = None,
+    threads: int | None = None,
 ) -> Engine:
     """An unloaded engine for ``model``; call ``load()`` off the event loop."""
     known = KNOWN_MODELS.get(model)
@@ -89,7 +90,11 @@ def build_engine(
         from tidegate.engines.embeddings import TransformersEmbeddings
 
         return TransformersEmbeddings(
-            model, model_path=model_path, device=device, memory_fraction=memory_fraction
+            model,
+            model_path=model_path,
+            device=device,
+            memory_fraction=memory_fraction,
+            threads=threads,
         )
     from tidegate.engines.generation import TransformersGenerator
 
@@ -103,6 +108,7 @@ def build_engine(
         seed=seed,
         max_num_seqs=max_num_seqs,
         memory_fraction=memory_fraction,
+        threads=threads,
         synthetic=model == "tiny-llama" and model_path is None,
         description=description,
     )

@@ -82,6 +82,7 @@ def default_engine_factory(settings: WorkerSettings) -> Engine:
         seed=settings.seed,
         max_num_seqs=settings.max_num_seqs,
         memory_fraction=settings.memory_fraction,
+        threads=settings.engine_threads,
     )
     engine = build()
     if not wants_engine_process(settings.engine_process, engine.card):
@@ -573,6 +574,7 @@ def _stats(worker: Worker) -> dict[str, Any]:
     now = time.monotonic()
     s = worker.settings
     base: dict[str, Any] = {"model": s.model, "phase": worker.phase, "ready": worker.ready}
+    base["engine_threads"] = s.engine_threads  # None: the engine's default (every core)
     if worker.batcher is not None:
         b = worker.batcher
         return base | {

@@ -66,6 +66,9 @@ class WorkerSettings:
     # Embeddings: the engine in a process of its own (engines/process.py), off this GIL;
     # None: the engine's default (DEFAULT_ENGINE_PROCESS: off for now).
     engine_process: bool | None = None
+    # CPU: the engine's intra-op threads (torch.set_num_threads); None: the engine's default
+    # (every core). On a host the gateway and workers share, fewer keep the engine steady.
+    engine_threads: int | None = None
 
     def batch_config(self) -> BatchConfig:
         return BatchConfig(
