@@ -43,7 +43,7 @@ Run (a through-gateway profile, about 1.5 minutes, then about 1.5 minutes per po
 each load):
     HF_HUB_OFFLINE=1 flock /tmp/bench.lock nice .venv/bin/python benchmarks/bench_sim_fidelity.py
         [--model minilm|smollm2] [--profile PATH (skip the profiling)]
-        [--engine transformers|simulated]
+        [--engine transformers|simulated] [--engine-threads N (the model's engine_threads)]
         [--loads 0.5,0.8,1.2] [--policies fifo,priority] [--duration-s 40] [--drain-s 30]
         [--runs-dir DIR (keep the run files)] [--json out.json] [--quick] [--verdict v.json]
         [--no-repeat-real (no noise floor: a third shorter)]
@@ -202,7 +202,9 @@ def arrivals_for(trace: Path, rate_per_s: float, duration_s: float, seed: int) -
     return arrivals
 
 
-def serve_config(policy: str, engine: str, engine_profile: Path | None) -> dict[str, Any]:
+def serve_config(
+    policy: str, engine: str, engine_profile: Path | None, threads: int | None = None
+) -> dict[str, Any]:
     batching: dict[str, Any] = {"max_batch_size": MAX_BATCH, "batch_window_ms": WINDOW_MS}
     if SPEC.task == "generate":
         batching = {"max_num_seqs": MAX_BATCH}
@@ -216,6 +218,8 @@ def serve_config(policy: str, engine: str, engine_profile: Path | None) -> dict[
     if engine == "simulated":
         assert engine_profile is not None
         model["profile"] = str(engine_profile.resolve())
+    elif threads is not None:
+        model["engine_threads"] = threads
     return {
         "gateway": {"host": "127.0.0.1", "policy": policy, "shutdown_timeout_s": 5},
         "models": [model],
@@ -243,7 +247,9 @@ def show_profile(path: Path) -> float:
 def profile_through_gateway(args: argparse.Namespace, logdir: Path, tag: str) -> Path:
     """``tidegate profile --through-gateway`` with the benchmark's own serve config."""
     config = logdir / "profile-serve.yaml"
-    config.write_text(json.dumps(serve_config("priority", args.engine, args.engine_profile)))
+    config.write_text(
+        json.dumps(serve_config("priority", args.engine, args.engine_profile, args.engine_threads))
+    )
     out = (args.profile_out or logdir / "profile-through-gateway") / f"load-{tag}"
     cmd = [
         lg.TIDEGATE,
@@ -434,7 +440,7 @@ def real_run(
     load: float, policy: str, arrivals: list[Arrival], args: argparse.Namespace, logdir: Path
 ) -> tuple[RecordedRun, Batches]:
     """One real run of ``tidegate serve``, as a run file's contents."""
-    config = serve_config(policy, args.engine, args.engine_profile)
+    config = serve_config(policy, args.engine, args.engine_profile, args.engine_threads)
     path = logdir / f"{policy}-{load:g}.yaml"
     path.write_text(json.dumps(config))  # YAML 1.2
     child = lg.start_serve(f"serve-{policy}-{load:g}", logdir, path, MODEL)
@@ -473,6 +479,7 @@ def real_run(
             "at": f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M UTC}",
             "load": load,
             "engine": args.engine,
+            "engine_threads": args.engine_threads,
             "cpus": os.cpu_count(),
         }
         run = RecordedRun(MODEL, SPEC.task, config, generated, idle_s, str(path), meta)
@@ -493,6 +500,7 @@ def real_run(
         "at": f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M UTC}",
         "load": load,
         "engine": args.engine,
+        "engine_threads": args.engine_threads,
         "cpus": os.cpu_count(),
         "worker_batches": asdict(batches),  # what the worker's /metrics said of the run
     }
@@ -782,6 +790,12 @@ def parse_args() -> argparse.Namespace:
         default=True,
         help="run each load's first policy twice on the real stack: the noise floor",
     )
+    parser.add_argument(
+        "--engine-threads",
+        type=int,
+        help="the model's engine_threads in every serve config (profile and runs); "
+        "default: unset, torch's every core",
+    )
     parser.add_argument("--loads", default="0.5,0.8,1.2")
     parser.add_argument("--policies", default="fifo,priority")
     parser.add_argument("--duration-s", type=float, default=40.0)
@@ -812,7 +826,8 @@ def main() -> int:
     started = time.monotonic()
     print(
         f"bench_sim_fidelity: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M UTC}, {os.cpu_count()} "
-        f"CPUs, {lg.cpu_model()}, Python {platform.python_version()}, engine {args.engine}",
+        f"CPUs, {lg.cpu_model()}, Python {platform.python_version()}, engine {args.engine}"
+        f", engine_threads {args.engine_threads or 'unset'}",
         flush=True,
     )
     outcomes: list[RunOutcome] = []
@@ -875,6 +890,7 @@ def main() -> int:
                 {
                     "model": MODEL,
                     "engine": args.engine,
+                    "engine_threads": args.engine_threads,
                     "profile": str(args.profile),
                     "capacity_per_s": capacity,
                     "runs": [{"load": o.load, "policy": o.policy, **o.notes} for o in outcomes],
