@@ -84,3 +84,12 @@ def test_engine_threads_set_torchs_intra_op_threads() -> None:
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="at least 1"):
         TransformersEmbeddings("minilm", threads=0)
+
+
+def test_build_engine_hands_the_threads_to_either_transformers_engine() -> None:
+    from tidegate.engines.registry import build_engine
+
+    for model in ("minilm", "tiny-llama"):
+        engine = build_engine(model, threads=1)  # not loaded: load() applies them
+        assert getattr(engine, "threads", None) == 1, model
+        assert getattr(build_engine(model), "threads", "unset") is None, model

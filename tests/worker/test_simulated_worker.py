@@ -83,6 +83,13 @@ def test_readyz_is_503_until_warm_up_is_done(tmp_path: Path) -> None:
         assert warmup >= 4.0
 
 
+def test_engine_threads_reach_the_worker_and_its_stats() -> None:
+    with worker_process("--model", "sim", "--engine", "simulated", "--engine-threads", "1") as w:
+        assert httpx.get(f"{w.url}/stats", timeout=DEADLINE_S).json()["engine_threads"] == 1
+    with worker_process("--model", "sim", "--engine", "simulated") as w:
+        assert httpx.get(f"{w.url}/stats", timeout=DEADLINE_S).json()["engine_threads"] is None
+
+
 def test_simulated_embeddings_take_their_profiled_batch_latency(
     tmp_path: Path, client: httpx.Client
 ) -> None:
