@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS = (
     "bench_queue",
     "bench_worker",
+    "bench_engine_threads",
     "bench_generation",
     "bench_gateway",
     "bench_sim",
