@@ -60,8 +60,14 @@ class GatedEngine:
 QUEUE = QueueConfig(levels=(LevelSpec("high"), LevelSpec("medium"), LevelSpec("low")))
 
 
+LATER = (("short-a", 10), ("long", 200), ("short-b", 12))  # (text, tokens), arrival order
+
+
 async def _run(
-    config: BatchConfig, cap: CapConfig | None = None, clock: FixedClock | StepClock | None = None
+    config: BatchConfig,
+    cap: CapConfig | None = None,
+    clock: FixedClock | StepClock | None = None,
+    later_inputs: Sequence[tuple[str, int]] = LATER,
 ) -> tuple[GatedEngine, dict[str, Any]]:
     engine = GatedEngine()
     batcher = EmbeddingBatcher(
@@ -79,10 +85,10 @@ async def _run(
         # Queued while the engine is busy, in this arrival order, one level.
         later = [
             asyncio.create_task(batcher.embed([text], [tokens], priority=1))
-            for text, tokens in (("short-a", 10), ("long", 200), ("short-b", 12))
+            for text, tokens in later_inputs
         ]
         await asyncio.sleep(0)  # one turn of the loop: each task queues its input
-        assert len(batcher.queue) == 3
+        assert len(batcher.queue) == len(later_inputs)
         engine.gate.set()
         await asyncio.gather(first, *later)
         return engine, batcher.planner.describe(100.0)
@@ -98,6 +104,32 @@ async def test_length_aware_batcher_groups_similar_lengths_past_a_long_one() -> 
     assert stats["releases_by_reason"] == {"window": 2, "full_size": 1}
     assert stats["last_release_reason"] == "window"
     assert stats["length_candidates"] == 8
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("overhead_tokens", "expected"),
+    [
+        # The ratio rule: 2 x 30 padded tokens over 40 real is past 1.25, so each goes alone.
+        (None, [["block"], ["short"], ["mid"], ["long"]]),
+        # On cost: 20 padding tokens are under a batch's 30 tokens of overhead: one batch.
+        (30.0, [["block"], ["short", "mid"], ["long"]]),
+    ],
+    ids=["ratio", "cost"],
+)
+async def test_length_aware_batcher_pairs_short_inputs_on_cost(
+    overhead_tokens: float | None, expected: list[list[str]]
+) -> None:
+    config = BatchConfig(
+        max_batch_size=2,
+        batch_window_ms=0.0,
+        length_candidates=8,
+        batch_overhead_tokens=overhead_tokens,
+    )
+    later = (("short", 10), ("mid", 30), ("long", 200))
+    engine, stats = await _run(config, later_inputs=later)
+    assert engine.batches == expected
+    assert stats["length_rule"].startswith("ratio" if overhead_tokens is None else "cost")
 
 
 @pytest.mark.asyncio
