@@ -34,7 +34,6 @@ from collections.abc import Awaitable, Callable, Iterable
 from importlib import resources
 from typing import Any
 
-import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -207,7 +206,7 @@ async def replica_view(
         return view
     try:
         view["samples"] = await fetch_replica_samples(gateway, replica)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+    except (httpx.HTTPError, TimeoutError, ValueError) as exc:
         # A slow or broken replica costs its own cells this poll, not the page.
         log.debug("dashboard: replica %s /metrics: %r", replica.id, exc)
         view["metrics_error"] = _reason(exc)
@@ -217,16 +216,17 @@ async def replica_view(
 
 async def fetch_replica_samples(gateway: Gateway, replica: Replica) -> list[Sample]:
     if gateway.client is None:
-        raise aiohttp.ClientConnectionError("the gateway is not started")
-    async with gateway.client.get(
-        f"{replica.url}/metrics",
-        headers={**replica.auth_headers, "Accept-Encoding": "identity"},
-        timeout=aiohttp.ClientTimeout(total=REPLICA_METRICS_TIMEOUT_S),
-    ) as answer:
-        if answer.status != 200:
-            raise ValueError(f"/metrics answered {answer.status}")
-        text = await answer.text()
-    return text_samples(text, REPLICA_SERIES)
+        raise httpx.ConnectError("the gateway is not started")
+    answer = await asyncio.wait_for(  # the whole read, not each phase of it
+        gateway.client.get(
+            f"{replica.url}/metrics",
+            headers={**replica.auth_headers, "Accept-Encoding": "identity"},
+        ),
+        REPLICA_METRICS_TIMEOUT_S,
+    )
+    if answer.status_code != 200:
+        raise ValueError(f"/metrics answered {answer.status_code}")
+    return text_samples(answer.text, REPLICA_SERIES)
 
 
 def _reason(exc: BaseException) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-import aiohttp
+import httpx
 
 from tidegate.asgi import ClientWatch
 from tidegate.config import TidegateConfig
@@ -45,7 +45,7 @@ class Gateway:
     replicas: dict[str, list[Replica]]
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     dispatchers: dict[str, ModelDispatcher] = field(default_factory=dict)
-    client: aiohttp.ClientSession | None = None
+    client: httpx.AsyncClient | None = None
     pool: ReplicaPool = field(default_factory=ReplicaPool)
     shutting_down: bool = False
     orchestrators: list[Any] = field(default_factory=list)  # start() / stop() replicas
@@ -109,10 +109,11 @@ class Gateway:
     async def start(self) -> None:
         """Dispatchers first, then the replicas in the background: the gateway is live at
         once and routes to each replica as soon as it is ready."""
-        self.client = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, connect=5.0),
-            skip_auto_headers=("User-Agent",),
-        )
+        # httpx, the library the orchestrators' checks already load: one client library on
+        # the gateway's start-up path. As aiohttp did: no proxy from the environment, no
+        # User-Agent header.
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False)
+        del self.client.headers["User-Agent"]
         for dispatcher in self.dispatchers.values():
             self._tasks.append(asyncio.create_task(dispatcher.run(), name=dispatcher.model))
         for orchestrator in self.orchestrators:
@@ -126,7 +127,7 @@ class Gateway:
             await orchestrator.stop()
         await self.pool.close()
         if self.client is not None:
-            await self.client.close()
+            await self.client.aclose()
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing is queued or in flight, for at most ``timeout_s``."""
