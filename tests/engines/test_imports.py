@@ -3,13 +3,23 @@
 A circle between two modules works only while one side imports lazily, inside a function;
 the shared piece belongs in a third module both import (``hf_runtime`` for what the
 transformers engines share).
+
+Heavy libraries stay off the paths that do not use them: core, gateway and simulator never
+import torch, and the modules ``tidegate serve`` and ``tidegate worker`` import before they
+serve (the command's own imports, read from cli.py) load no aiohttp, and for the gateway no
+numpy either: each start of a test's server would pay for them.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
+import tidegate.cli
 import tidegate.engines
 
 PACKAGE = "tidegate.engines"
@@ -67,3 +77,55 @@ def test_engine_modules_import_each_other_in_one_direction() -> None:
 def test_find_circle_finds_a_lazy_circle() -> None:
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def command_imports(command: str) -> list[str]:
+    """The tidegate modules that the CLI function ``command`` imports in its body."""
+    tree = ast.parse(Path(tidegate.cli.__file__).read_text())
+    (function,) = (
+        node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == command
+    )
+    modules = (node.module for node in ast.walk(function) if isinstance(node, ast.ImportFrom))
+    return [module for module in modules if module and module.startswith("tidegate.")]
+
+
+def packages_after(statement: str) -> set[str]:
+    """The top-level packages that a fresh interpreter holds after running ``statement``."""
+    script = f"{statement}\nimport sys\nprint(*sorted({{n.split('.')[0] for n in sys.modules}}))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.split())
+
+
+# The worker also runs its app and, here, the simulated engine, which serve_worker and
+# build_engine import when called.
+WORKER_CALLS = ("tidegate.worker.app", "tidegate.engines.simulated")
+
+
+@pytest.mark.parametrize(
+    ("command", "called", "must_not", "loads"),
+    [
+        ("serve", (), {"numpy", "aiohttp", "torch", "transformers"}, {"fastapi", "httpx"}),
+        ("worker", WORKER_CALLS, {"aiohttp", "torch", "transformers"}, {"fastapi", "numpy"}),
+    ],
+)
+def test_command_start_path_leaves_heavy_libraries_unloaded(
+    command: str, called: tuple[str, ...], must_not: set[str], loads: set[str]
+) -> None:
+    modules = command_imports(command)
+    assert "tidegate.worker.server" in modules  # the walk sees the command's imports
+    loaded = packages_after("import " + ", ".join(["tidegate.cli", *modules, *called]))
+    assert loads <= loaded  # the imports ran
+    assert not must_not & loaded, sorted(must_not & loaded)
+
+
+def test_core_gateway_and_sim_do_not_import_torch() -> None:
+    loaded = packages_after(
+        "import importlib, pkgutil\n"
+        "for name in ('tidegate.core', 'tidegate.gateway', 'tidegate.sim'):\n"
+        "    package = importlib.import_module(name)\n"
+        "    for module in pkgutil.walk_packages(package.__path__, name + '.'):\n"
+        "        importlib.import_module(module.name)"
+    )
+    assert "fastapi" in loaded  # the gateway's modules ran
+    assert not {"torch", "transformers"} & loaded

@@ -25,7 +25,6 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from tidegate.asgi import BodyLimits
 from tidegate.errors import InvalidRequest
 from tidegate.fastroute import FastCycle, FastRoutes, fast_path_of, headers_of
-from tidegate.worker.app import create_app, fast_routes
 from tidegate.worker.runtime import WorkerSettings
 
 log = logging.getLogger("tidegate.worker")
@@ -262,6 +261,10 @@ def serve_worker(settings: WorkerSettings, host: str, port: int, log_level: str 
 
     Raises CannotBind when the address is taken: nothing has started yet.
     """
+    # Here, not at the top: the gateway runs this module's server without the worker's app
+    # and its engines (numpy among them).
+    from tidegate.worker.app import create_app, fast_routes
+
     logging.basicConfig(
         level=log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
