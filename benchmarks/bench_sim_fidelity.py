@@ -45,6 +45,7 @@ each load):
     HF_HUB_OFFLINE=1 flock /tmp/bench.lock nice .venv/bin/python benchmarks/bench_sim_fidelity.py
         [--model minilm|smollm2] [--profile PATH (skip the profiling)]
         [--engine transformers|simulated] [--engine-threads N (the model's engine_threads)]
+        [--engine-process (minilm: the model's engine_process)]
         [--loads 0.5,0.8,1.2] [--policies fifo,priority] [--duration-s 40] [--drain-s 30]
         [--runs-dir DIR (keep the run files)] [--json out.json] [--quick] [--verdict v.json]
         [--no-repeat-real (no noise floor: a third shorter)]
@@ -208,7 +209,11 @@ def arrivals_for(trace: Path, rate_per_s: float, duration_s: float, seed: int) -
 
 
 def serve_config(
-    policy: str, engine: str, engine_profile: Path | None, threads: int | None = None
+    policy: str,
+    engine: str,
+    engine_profile: Path | None,
+    threads: int | None = None,
+    engine_process: bool | None = None,
 ) -> dict[str, Any]:
     batching: dict[str, Any] = {"max_batch_size": MAX_BATCH, "batch_window_ms": WINDOW_MS}
     if SPEC.task == "generate":
@@ -225,6 +230,8 @@ def serve_config(
         model["profile"] = str(engine_profile.resolve())
     elif threads is not None:
         model["engine_threads"] = threads
+    if engine_process is not None and SPEC.task == "embeddings":
+        model["engine_process"] = engine_process
     return {
         "gateway": {"host": "127.0.0.1", "policy": policy, "shutdown_timeout_s": 5},
         "models": [model],
@@ -253,7 +260,15 @@ def profile_through_gateway(args: argparse.Namespace, logdir: Path, tag: str) ->
     """``tidegate profile --through-gateway`` with the benchmark's own serve config."""
     config = logdir / "profile-serve.yaml"
     config.write_text(
-        json.dumps(serve_config("priority", args.engine, args.engine_profile, args.engine_threads))
+        json.dumps(
+            serve_config(
+                "priority",
+                args.engine,
+                args.engine_profile,
+                args.engine_threads,
+                args.engine_process,
+            )
+        )
     )
     out = (args.profile_out or logdir / "profile-through-gateway") / f"load-{tag}"
     cmd = [
@@ -445,7 +460,9 @@ def real_run(
     load: float, policy: str, arrivals: list[Arrival], args: argparse.Namespace, logdir: Path
 ) -> tuple[RecordedRun, Batches]:
     """One real run of ``tidegate serve``, as a run file's contents."""
-    config = serve_config(policy, args.engine, args.engine_profile, args.engine_threads)
+    config = serve_config(
+        policy, args.engine, args.engine_profile, args.engine_threads, args.engine_process
+    )
     path = logdir / f"{policy}-{load:g}.yaml"
     path.write_text(json.dumps(config))  # YAML 1.2
     child = lg.start_serve(f"serve-{policy}-{load:g}", logdir, path, MODEL)
@@ -485,6 +502,7 @@ def real_run(
             "load": load,
             "engine": args.engine,
             "engine_threads": args.engine_threads,
+            "engine_process": args.engine_process,
             "cpus": os.cpu_count(),
         }
         run = RecordedRun(MODEL, SPEC.task, config, generated, idle_s, str(path), meta)
@@ -506,6 +524,7 @@ def real_run(
         "load": load,
         "engine": args.engine,
         "engine_threads": args.engine_threads,
+        "engine_process": args.engine_process,
         "cpus": os.cpu_count(),
         "worker_batches": asdict(batches),  # what the worker's /metrics said of the run
     }
@@ -801,6 +820,12 @@ def parse_args() -> argparse.Namespace:
         help="the model's engine_threads in every serve config (profile and runs); "
         "default: unset, torch's every core",
     )
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="minilm: the model's engine_process in every serve config (default: unset)",
+    )
     parser.add_argument("--loads", default="0.5,0.8,1.2")
     parser.add_argument("--policies", default="fifo,priority")
     parser.add_argument("--duration-s", type=float, default=40.0)
@@ -832,7 +857,8 @@ def main() -> int:
     print(
         f"bench_sim_fidelity: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M UTC}, {os.cpu_count()} "
         f"CPUs, {lg.cpu_model()}, Python {platform.python_version()}, engine {args.engine}"
-        f", engine_threads {args.engine_threads or 'unset'}",
+        f", engine_threads {args.engine_threads or 'unset'}, engine_process "
+        f"{'unset' if args.engine_process is None else args.engine_process}",
         flush=True,
     )
     outcomes: list[RunOutcome] = []
@@ -896,6 +922,7 @@ def main() -> int:
                     "model": MODEL,
                     "engine": args.engine,
                     "engine_threads": args.engine_threads,
+                    "engine_process": args.engine_process,
                     "profile": str(args.profile),
                     "capacity_per_s": capacity,
                     "runs": [{"load": o.load, "policy": o.policy, **o.notes} for o in outcomes],
