@@ -29,6 +29,7 @@ def test_adaptive_keys_reach_the_batch_rule_and_the_worker() -> None:
                 "load_aware_window": True,
                 "length_candidates": 64,
                 "max_padding_ratio": 1.5,
+                "batch_overhead_tokens": 35,
                 "target_p99_ms": 200,
                 "min_batch_size": 2,
             }
@@ -42,10 +43,15 @@ def test_adaptive_keys_reach_the_batch_rule_and_the_worker() -> None:
     assert batch.load_aware
     assert batch.length_candidates == 64
     assert batch.max_padding_ratio == 1.5
+    assert batch.batch_overhead_tokens == 35
     assert batch.target_p99_ms == 200
     assert batch.min_batch_size == 2
     worker = config.worker_settings("emb")
     assert worker.batch_config() == batch
+    from tidegate.control.local import worker_command
+
+    command = worker_command(worker)
+    assert command[command.index("--batch-overhead-tokens") + 1] == "35"
 
 
 def test_defaults_keep_the_fixed_rule() -> None:
@@ -89,8 +95,13 @@ def test_bad_adaptive_keys_name_the_key_and_the_fix(
 
 @pytest.mark.parametrize(
     "batching",
-    [{"max_padding_ratio": 0.5}, {"length_candidates": -1}, {"target_p99_ms": 0}],
-    ids=["padding_ratio_under_one", "negative_candidates", "zero_target"],
+    [
+        {"max_padding_ratio": 0.5},
+        {"length_candidates": -1},
+        {"target_p99_ms": 0},
+        {"batch_overhead_tokens": -1},
+    ],
+    ids=["padding_ratio_under_one", "negative_candidates", "zero_target", "negative_overhead"],
 )
 def test_out_of_range_adaptive_keys_are_refused(batching: dict[str, Any]) -> None:
     with pytest.raises(ConfigError) as info:
@@ -100,7 +111,14 @@ def test_out_of_range_adaptive_keys_are_refused(batching: dict[str, Any]) -> Non
 
 def test_rendered_config_reads_back_the_same() -> None:
     config = parse_config(
-        _config({"window_ms_by_priority": {"high": 0}, "length_candidates": 32}), "c.yaml"
+        _config(
+            {
+                "window_ms_by_priority": {"high": 0},
+                "length_candidates": 32,
+                "batch_overhead_tokens": 35,
+            }
+        ),
+        "c.yaml",
     )
     again = parse_config(yaml.safe_load(render_config(config)), "rendered")
     assert again.batch_config("emb") == config.batch_config("emb")

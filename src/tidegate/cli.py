@@ -142,6 +142,14 @@ def worker(
     max_padding_ratio: Annotated[
         float, typer.Option(min=1.0, help="Embeddings: padded / real tokens, at most.")
     ] = 1.25,
+    batch_overhead_tokens: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Embeddings, length-aware on cost: padding within (members - 1) x this "
+            "many tokens (a batch's fixed cost); replaces --max-padding-ratio.",
+        ),
+    ] = None,
     target_p99_ms: Annotated[
         float | None,
         typer.Option(min=0.001, help="Embeddings: AIMD batch cap on the high level's P99."),
@@ -168,6 +176,7 @@ def worker(
         load_aware_window=load_aware_window,
         length_candidates=length_candidates,
         max_padding_ratio=max_padding_ratio,
+        batch_overhead_tokens=batch_overhead_tokens,
         target_p99_ms=target_p99_ms,
         min_batch_size=min_batch_size,
         max_num_seqs=max_num_seqs,

@@ -45,3 +45,12 @@ def test_explain_counts_the_caps_decisions() -> None:
     assert "AIMD cap: last grow_backlog at high P99 1000.0 ms against 100.0 ms" in text
     assert "decisions: grow_backlog 1" in text
     assert "emb-0: cap 4 of 8" in text
+
+
+def test_explain_names_the_length_rule() -> None:
+    ratio = BatchConfig(max_batch_size=8, length_candidates=16)
+    cost = BatchConfig(max_batch_size=8, length_candidates=16, batch_overhead_tokens=35.0)
+    for config, rule in ((ratio, "ratio: padded tokens within 1.25 x real"), (cost, "35 tokens")):
+        text = format_batching("emb", [("emb-0", BatchPlanner(config).describe(0.0))])
+        assert "length-aware among 16 (" in text
+        assert rule in text

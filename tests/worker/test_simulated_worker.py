@@ -90,6 +90,13 @@ def test_engine_threads_reach_the_worker_and_its_stats() -> None:
         assert httpx.get(f"{w.url}/stats", timeout=DEADLINE_S).json()["engine_threads"] is None
 
 
+def test_length_aware_on_cost_from_the_command_line_to_stats() -> None:
+    flags = ("--length-candidates", "8", "--batch-overhead-tokens", "35")
+    with worker_process("--model", "sim", "--engine", "simulated", *flags) as w:
+        batching = httpx.get(f"{w.url}/stats", timeout=DEADLINE_S).json()["batching"]
+    assert batching["length_rule"] == "cost: padding within (members - 1) x 35 tokens"
+
+
 def test_simulated_embeddings_take_their_profiled_batch_latency(
     tmp_path: Path, client: httpx.Client
 ) -> None:

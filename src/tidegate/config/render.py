@@ -118,6 +118,7 @@ def _render_model(model: ModelSpec, levels: tuple[str, ...]) -> dict[str, Any]:
         "load_aware_window": model.batching.load_aware_window,
         "length_candidates": model.batching.length_candidates,
         "max_padding_ratio": model.batching.max_padding_ratio,
+        "batch_overhead_tokens": model.batching.batch_overhead_tokens,
         "target_p99_ms": model.batching.target_p99_ms,
         "min_batch_size": model.batching.min_batch_size,
     }

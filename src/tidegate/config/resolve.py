@@ -139,6 +139,7 @@ class _Resolver:
             load_aware_window=b.load_aware_window,
             length_candidates=b.length_candidates,
             max_padding_ratio=b.max_padding_ratio,
+            batch_overhead_tokens=b.batch_overhead_tokens,
             target_p99_ms=b.target_p99_ms,
             min_batch_size=b.min_batch_size,
         )

@@ -144,6 +144,7 @@ class _BatchingIn(_Strict):
     load_aware_window: bool = False
     length_candidates: NonNegativeInt = 0
     max_padding_ratio: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.25
+    batch_overhead_tokens: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     target_p99_ms: PositiveFloat | None = None
     min_batch_size: PositiveInt = 1
 

@@ -98,6 +98,7 @@ class BatchingSpec:
     load_aware_window: bool = False
     length_candidates: int = 0
     max_padding_ratio: float = 1.25
+    batch_overhead_tokens: float | None = None  # length-aware on cost instead of the ratio
     target_p99_ms: float | None = None
     min_batch_size: int = 1
 
@@ -345,6 +346,7 @@ class TidegateConfig:
             load_aware=batching.load_aware_window,
             length_candidates=batching.length_candidates,
             max_padding_ratio=batching.max_padding_ratio,
+            batch_overhead_tokens=batching.batch_overhead_tokens,
             target_p99_ms=batching.target_p99_ms,
             min_batch_size=batching.min_batch_size,
         )
@@ -380,6 +382,7 @@ class TidegateConfig:
             load_aware_window=model.batching.load_aware_window,
             length_candidates=model.batching.length_candidates,
             max_padding_ratio=model.batching.max_padding_ratio,
+            batch_overhead_tokens=model.batching.batch_overhead_tokens,
             target_p99_ms=model.batching.target_p99_ms,
             min_batch_size=model.batching.min_batch_size,
             max_num_seqs=model.batching.max_num_seqs,

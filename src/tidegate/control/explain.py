@@ -114,6 +114,8 @@ def format_batching(model: str, replicas: list[tuple[str, dict[str, Any]]]) -> s
             line += f", load-aware (rate {batching.get('arrival_rate_per_s')}/s)"
         if batching.get("length_candidates"):
             line += f", length-aware among {batching['length_candidates']}"
+            if batching.get("length_rule"):
+                line += f" ({batching['length_rule']})"
         lines.append(line)
         lines.append(
             f"    last batch left by {batching.get('last_release_reason')}; "

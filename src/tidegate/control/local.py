@@ -683,6 +683,8 @@ def _adaptive_batching_args(s: WorkerSettings) -> list[str]:
     if s.length_candidates:
         args += ["--length-candidates", str(s.length_candidates)]
         args += ["--max-padding-ratio", f"{s.max_padding_ratio:g}"]
+        if s.batch_overhead_tokens is not None:
+            args += ["--batch-overhead-tokens", f"{s.batch_overhead_tokens:g}"]
     if s.target_p99_ms is not None:
         args += ["--target-p99-ms", f"{s.target_p99_ms:g}"]
         args += ["--min-batch-size", str(s.min_batch_size)]

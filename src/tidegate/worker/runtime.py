@@ -54,6 +54,8 @@ class WorkerSettings:
     load_aware_window: bool = False
     length_candidates: int = 0  # > 1: form batches of similar lengths among this many
     max_padding_ratio: float = 1.25
+    # length-aware on cost: padding within (members - 1) x this; None: the ratio above
+    batch_overhead_tokens: float | None = None
     target_p99_ms: float | None = None  # AIMD cap on the high level's P99; None: fixed
     min_batch_size: int = 1  # the AIMD cap's floor
     max_num_seqs: int = 16
@@ -79,6 +81,7 @@ class WorkerSettings:
             load_aware=self.load_aware_window,
             length_candidates=self.length_candidates,
             max_padding_ratio=self.max_padding_ratio,
+            batch_overhead_tokens=self.batch_overhead_tokens,
             target_p99_ms=self.target_p99_ms,
             min_batch_size=min(self.min_batch_size, self.max_batch_size),
         )
