@@ -572,8 +572,9 @@ def test_a_sustained_backlog_brings_the_cap_to_its_knee(
     assert cap.last_decision == "hold_backlog"
 
 
-@settings(max_examples=200, deadline=None)
-@given(
+# Over target from the batch's own run: a fed cap, its floor and top, the latency, the run's
+# share of it, and how many requests each release leaves behind.
+over_target_from_the_run = given(
     cap_events,
     st.integers(1, 4),
     st.integers(4, 64),
@@ -581,6 +582,17 @@ def test_a_sustained_backlog_brings_the_cap_to_its_knee(
     st.floats(0.5, 1.0),
     st.integers(0, 3),
 )
+
+
+def _fed_cap(history: list[tuple[str, float, float]], low: int, high: int) -> AdaptiveCap:
+    """A cap of 5 samples a decision between ``low`` and ``high``, after ``history``."""
+    cap = AdaptiveCap(CapConfig(0.1, max_batch_size=high, min_batch_size=low, num_samples=5))
+    _feed(cap, history)
+    return cap
+
+
+@settings(max_examples=200, deadline=None)
+@over_target_from_the_run
 def test_late_from_its_own_run_without_a_backlog_the_cap_shrinks(
     history: list[tuple[str, float, float]],
     low: int,
@@ -592,12 +604,10 @@ def test_late_from_its_own_run_without_a_backlog_the_cap_shrinks(
     """Over target, the batch's run at least half the latency, batches just under the cap
     with fewer than a cap's worth behind them: every decision shrinks the cap, while the
     batches are larger than the smaller cap (a cap of 2 over batches of 1 holds)."""
-    config = CapConfig(0.1, max_batch_size=high, min_batch_size=low, num_samples=5)
-    cap = AdaptiveCap(config)
-    _feed(cap, history)
+    cap = _fed_cap(history, low, high)
     for decision in range(high + 1):
         before = cap.cap
-        for _ in range(config.num_samples):
+        for _ in range(cap.config.num_samples):
             cap.released(max(1, cap.cap - 1), min(left, cap.cap - 1))
             cap.observe(latency, latency * share)
         if not decision:
@@ -612,14 +622,7 @@ def test_late_from_its_own_run_without_a_backlog_the_cap_shrinks(
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    cap_events,
-    st.integers(1, 4),
-    st.integers(4, 64),
-    st.floats(0.11, 5.0),
-    st.floats(0.5, 1.0),
-    st.integers(0, 3),
-)
+@over_target_from_the_run
 def test_batches_that_fill_the_cap_never_shrink_it(
     history: list[tuple[str, float, float]],
     low: int,
@@ -630,12 +633,10 @@ def test_batches_that_fill_the_cap_never_shrink_it(
 ) -> None:
     """Over target from the run, but every batch fills the cap (saturated, the backlog out
     of sight behind a gateway): a smaller cap would serve less than arrives, so it holds."""
-    config = CapConfig(0.1, max_batch_size=high, min_batch_size=low, num_samples=5)
-    cap = AdaptiveCap(config)
-    _feed(cap, history)
+    cap = _fed_cap(history, low, high)
     for decision in range(high + 1):
         before = cap.cap
-        for _ in range(config.num_samples):
+        for _ in range(cap.config.num_samples):
             cap.released(cap.cap, min(left, cap.cap - 1))
             cap.observe(latency, latency * share)
         if decision:  # the first decision may still count what the history left pending
