@@ -15,12 +15,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prometheus_client import Counter
 
 from tidegate.core.batching import BatchConfig
+from tidegate.core.fairness import FairnessConfig
 from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
 from tidegate.engines.base import EmbeddingEngine, Engine, GenerationEngine, SamplingParams
 from tidegate.errors import NotReady, ReplicaFailed
@@ -31,7 +32,8 @@ from tidegate.worker.scheduling import EmbeddingBatcher, SequenceScheduler
 log = logging.getLogger("tidegate.worker")
 
 # The worker holds only what it can batch soon: the gateway keeps the backlog. Its local
-# queue orders by priority (no holdback: the gateway already decided admission).
+# queue orders by priority (no holdback: the gateway already decided admission); the
+# generation queue also by tenant inside a level when fair sharing is on.
 WORKER_LEVELS = (LevelSpec("high"), LevelSpec("medium"), LevelSpec("low"))
 
 
@@ -59,6 +61,12 @@ class WorkerSettings:
     target_p99_ms: float | None = None  # AIMD cap on the high level's P99; None: fixed
     min_batch_size: int = 1  # the AIMD cap's floor
     max_num_seqs: int = 16
+    # Generation: a sequence joins the engine only while the prompts of those admitted and
+    # not yet at their first token stay within this many tokens (one always joins); 0: no bound
+    max_prefill_tokens: int = 0
+    # Generation: fair sharing between tenants inside a level of the sequence queue (the
+    # tenant the gateway forwards); None: first come, first served in a level
+    fairness: FairnessConfig | None = None
     queue_max_size: int = 4096
     profile: str | None = None
     seed: int = 0
@@ -138,6 +146,10 @@ class Worker:
             aging=AgingConfig(),
         )
 
+    def sequence_queue_config(self) -> QueueConfig:
+        """The generation queue's: ``queue_config`` with the settings' fair sharing."""
+        return replace(self.queue_config(), fairness=self.settings.fairness)
+
     async def start(self, build: Callable[[WorkerSettings], Engine]) -> None:
         """Load and warm up; on failure the phase says why and the caller decides."""
         s = self.settings
@@ -201,7 +213,11 @@ class Worker:
         else:
             assert isinstance(engine, GenerationEngine)
             self.sequences = SequenceScheduler(
-                engine, s.max_num_seqs, self.queue_config(), self.metrics
+                engine,
+                s.max_num_seqs,
+                self.sequence_queue_config(),
+                self.metrics,
+                max_prefill_tokens=s.max_prefill_tokens,
             )
 
     async def _probe(self, engine: Engine) -> float:

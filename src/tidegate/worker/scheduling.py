@@ -11,7 +11,15 @@
   engine's running batch; a finished or cancelled sequence frees its slot and its pages at
   once and the most urgent waiting one takes them. The most urgent sequence is never
   overtaken by a smaller one that would fit: it waits for room (a sequence always fits an
-  empty cache). Both are event-driven: they wake on an arrival, a slot freed or a window's
+  empty cache). With a prefill budget (``max_prefill_tokens`` > 0) a sequence also joins
+  only while the prompts of the sequences admitted and not yet at their first token
+  (``prefilling_tokens``) stay within it with its own (one always joins when none is
+  pending): a burst of long prompts does not take every free slot at once, so a sequence
+  dispatched behind it waits one or two engine steps, not the whole burst's prefill. The
+  head is never overtaken here either. With fair sharing (``QueueConfig.fairness``) the
+  queue orders by tenant inside a level (core.fairness, the tenant the gateway forwards);
+  a sequence that ends settles its tenant's counter with the tokens it was served. Both
+  are event-driven: they wake on an arrival, a slot freed, a first token or a window's
   end.
 
 ``fail(error)`` is for an engine that died: every request still waiting (and, for
@@ -217,16 +225,23 @@ class SequenceScheduler:
         queue: QueueConfig,
         metrics: WorkerMetrics,
         clock: Clock = SYSTEM_CLOCK,
+        max_prefill_tokens: int = 0,
     ) -> None:
+        if max_prefill_tokens < 0:
+            raise ValueError(f"max_prefill_tokens must be >= 0, got {max_prefill_tokens}")
         self.engine = engine
         self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens  # 0: no bound
         self.queue = WaitQueue(queue)
         self.metrics = metrics
         self.clock = clock
         self.throughput = Throughput()
         self.num_running = 0
         self.cached_tokens = 0  # KV cache tokens reserved by running sequences, whole pages
+        self.prefilling_tokens = 0  # prompt tokens of running sequences before their 1st token
         self._granted: dict[str, asyncio.Future[None]] = {}
+        self._prompt_tokens: dict[str, int] = {}  # waiting sequences: their prompt's tokens
+        self._prefilling: dict[str, int] = {}  # running, before their first token: the same
         self.failure: BaseException | None = None  # set by fail(): the engine is gone
 
     @property
@@ -234,9 +249,15 @@ class SequenceScheduler:
         return self.max_num_seqs
 
     async def stream(
-        self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams, priority: int
+        self,
+        seq_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        priority: int,
+        tenant: str = "",
     ) -> AsyncGenerator[TokenEvent, None]:
-        """Wait for a slot in priority order, then stream the sequence's tokens."""
+        """Wait for a slot in priority order (by tenant inside a level with fair sharing),
+        then stream the sequence's tokens."""
         if self.failure is not None:
             raise self.failure
         now = self.clock.now()
@@ -246,6 +267,7 @@ class SequenceScheduler:
             priority,
             now,
             cost_tokens=len(prompt_ids) + params.max_tokens,
+            tenant=tenant,
         )
         decision = self.queue.admit(request, now)
         if isinstance(decision, Rejected):
@@ -254,32 +276,40 @@ class SequenceScheduler:
             self._granted.pop(victim.id).set_exception(_shed(victim))
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._granted[seq_id] = granted
+        self._prompt_tokens[seq_id] = len(prompt_ids)
         self._fill_slots()
         try:
             await granted
         except BaseException:
             self._granted.pop(seq_id, None)
+            self._prompt_tokens.pop(seq_id, None)
             self.queue.cancel(seq_id)
             if granted.done() and not granted.cancelled() and granted.exception() is None:
-                # the slot was granted just as this request went away
-                self._release_slot(self._cache_cost(request))
+                # the slot was granted just as this request went away: nothing was served
+                self._release_slot(request, prompt_tokens=0, made=0)
             else:
                 self._fill_slots()  # it may have been the head that waited for cache room
             raise
         made = 0
         try:
             async for event in self.engine.generate(seq_id, prompt_ids, params):
+                if seq_id in self._prefilling:  # its first token: its prefill is done
+                    self._prefilled(seq_id)
+                    self._fill_slots()
                 made = event.num_tokens
                 yield event
         finally:
             self.throughput.record(self.clock.now(), made)
             self.queue.drain.record(self.clock.now())
-            self._release_slot(self._cache_cost(request))
+            self._release_slot(request, len(prompt_ids), made)
 
     def drain(self, error: BaseException) -> int:
         """Answer every sequence still waiting for a slot with ``error``; returns how many."""
         waiting = self.queue.pop(len(self.queue), self.clock.now()) if len(self.queue) else ()
         for request in waiting:
+            # A fair queue's pick gave its tenant a slot and charged it: it was served none.
+            self.queue.vacate(request)
+            self.queue.settle(request, 0, 0)
             granted = self._granted.pop(request.id, None)
             if granted is not None and not granted.done():
                 granted.set_exception(error)
@@ -304,21 +334,50 @@ class SequenceScheduler:
             return True  # an unbounded cache; or an empty one, which any sequence fits
         return self.cached_tokens + self._cache_cost(request) <= capacity
 
-    def _release_slot(self, cost_tokens: int) -> None:
+    def _prefill_fits(self, request: Request) -> bool:
+        """Within the prefill budget with ``request``'s prompt; one always fits when no
+        prefill is pending, or a prompt over the budget could never start."""
+        budget = self.max_prefill_tokens
+        if budget <= 0 or not self._prefilling:
+            return True
+        return self.prefilling_tokens + self._prompt_tokens[request.id] <= budget
+
+    def _prefilled(self, seq_id: str) -> None:
+        """``seq_id``'s prompt leaves the prefill budget: its first token came, or it ended
+        before one. Exactly once: a no-op after the first call."""
+        self.prefilling_tokens -= self._prefilling.pop(seq_id, 0)
+
+    def _release_slot(self, request: Request, prompt_tokens: int, made: int) -> None:
+        """A running sequence ended (finished, cancelled or failed) having made ``made``
+        tokens: its slot, pages and any pending prefill are free; with fair sharing its
+        tenant gives the slot back and is settled with what it was served, its prompt in
+        and ``made`` out (the worker knows them exactly, whatever the ending)."""
         self.num_running -= 1
-        self.cached_tokens -= cost_tokens
+        self.cached_tokens -= self._cache_cost(request)
+        self._prefilled(request.id)
+        self.queue.vacate(request)
+        self.queue.settle(request, prompt_tokens, made)
         self._fill_slots()
 
     def _fill_slots(self) -> None:
-        """Start the most urgent waiting sequences while slots and cache room are free."""
+        """Start the most urgent waiting sequences while slots, cache room and the prefill
+        budget allow."""
         now = self.clock.now()
         while self.num_running < self.max_num_seqs and len(self.queue):
-            (head,) = self.queue.peek(1, now)
-            if not self._fits(head):
+            heads = self.queue.peek(1, now)  # none: a fair queue's slot reserve holds
+            if heads and self._granted[heads[0].id].done():
+                # Its waiter was cancelled and has not run yet to leave the queue: it goes
+                # now (a pick would charge its tenant), and its waiter finds it gone.
+                self.queue.cancel(heads[0].id)
+                continue
+            if not heads or not (self._fits(heads[0]) and self._prefill_fits(heads[0])):
                 break  # it waits for room: a smaller, less urgent one must not overtake it
             (request,) = self.queue.pop(1, now)
             granted = self._granted.pop(request.id)
+            prompt_tokens = self._prompt_tokens.pop(request.id)
             self.num_running += 1
             self.cached_tokens += self._cache_cost(request)
+            self._prefilling[request.id] = prompt_tokens
+            self.prefilling_tokens += prompt_tokens
             self.metrics.batch_size.labels(self.engine.card.name).observe(self.num_running)
             granted.set_result(None)
