@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from tidegate.cli import app
-from tidegate.core.autoscale import DemandSample, ScaleInputs, ScaleState, decide_scale
+from tidegate.core.autoscale import (
+    AutoscaleConfig,
+    DemandSample,
+    ScaleInputs,
+    ScaleState,
+    decide_scale,
+)
 from tidegate.core.placement import Placement, VictimCandidate, pick_victims
 from tidegate.sim import autoscale  # noqa: F401  (registers the autoscalers)
 from tidegate.sim.autoscale import CoreAutoscaler
@@ -28,6 +34,7 @@ from tidegate.sim.fluid import (
     STARTING,
     EngineCurve,
     FleetGroup,
+    FleetResult,
     FleetScenario,
     FleetSimulation,
     holdback_saturation,
@@ -86,8 +93,39 @@ SURGE = [
 ]
 
 
-def test_work_is_conserved_per_level() -> None:
-    result = FleetSimulation(scenario(SURGE)).run()
+Call = tuple[float, int, int, float, float, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class SurgeRun:
+    result: FleetResult
+    calls: list[Call]  # the autoscaler's calls: (now, replicas, ready, queued, in_flight, delta)
+    config: AutoscaleConfig
+
+
+@pytest.fixture(scope="module")
+def surge() -> SurgeRun:
+    """One run of SURGE (the slowest simulation here) for the tests that only read it: the
+    autoscaler's calls recorded on the way, which changes none of them."""
+    sim = FleetSimulation(scenario(SURGE))
+    autoscaler = sim.groups[0].autoscaler
+    assert isinstance(autoscaler, CoreAutoscaler)
+    calls: list[Call] = []
+    measured = autoscaler.scale_delta
+
+    def recording(now: float, replicas: int, ready: int, queued: float, in_flight: float) -> int:
+        delta: int = measured(now, replicas, ready, queued, in_flight)
+        calls.append((now, replicas, ready, queued, in_flight, delta))
+        return delta
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(autoscaler, "scale_delta", recording)
+        result = sim.run()
+    return SurgeRun(result, calls, autoscaler.config)
+
+
+def test_work_is_conserved_per_level(surge: SurgeRun) -> None:
+    result = surge.result
     group = result.groups[0]
     totals: dict[str, float] = {}
     for name, stats in group.summary(result.end_s)["levels"].items():
@@ -131,23 +169,8 @@ def test_priority_keeps_high_within_its_slo_better_than_fifo() -> None:
     assert high[1] < 0.5
 
 
-def test_the_controller_is_decide_scale_on_what_the_fluid_measured(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    sim = FleetSimulation(scenario(SURGE))
-    group = sim.groups[0]
-    autoscaler = group.autoscaler
-    assert isinstance(autoscaler, CoreAutoscaler)
-    calls: list[tuple[float, int, int, float, float, int]] = []
-    measured = autoscaler.scale_delta
-
-    def recording(now: float, replicas: int, ready: int, queued: float, in_flight: float) -> int:
-        delta: int = measured(now, replicas, ready, queued, in_flight)
-        calls.append((now, replicas, ready, queued, in_flight, delta))
-        return delta
-
-    monkeypatch.setattr(autoscaler, "scale_delta", recording)
-    sim.run()
+def test_the_controller_is_decide_scale_on_what_the_fluid_measured(surge: SurgeRun) -> None:
+    calls = surge.calls
     assert len(calls) > 100
     assert any(delta > 0 for *_, delta in calls)
     assert any(delta < 0 for *_, delta in calls)
@@ -161,7 +184,7 @@ def test_the_controller_is_decide_scale_on_what_the_fluid_measured(
             demand=DemandSample(now, queued, in_flight),
             local_time=(local.weekday(), local.hour * 60 + local.minute),
         )
-        decision, state = decide_scale(inputs, state, autoscaler.config, now)
+        decision, state = decide_scale(inputs, state, surge.config, now)
         assert decision.desired_replicas - decision.current_replicas == delta
     # and the fluid applied each: the next call counts what the last one asked for
     for (_, replicas, *_, delta), (_, after, *_) in itertools.pairwise(calls):
