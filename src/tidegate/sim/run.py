@@ -141,8 +141,13 @@ class Simulation:
         self._default = config.default_priority
         self._model = spec.name
         # The worker's own queue, as a worker with this model's batching builds it.
-        settings = WorkerSettings(model=spec.name, **dataclasses.asdict(spec.batching))
-        self._worker_queue = ServerWorker(settings).queue_config()
+        settings = WorkerSettings(
+            model=spec.name, fairness=config.fairness, **dataclasses.asdict(spec.batching)
+        )
+        server = ServerWorker(settings)
+        self._worker_queue = server.queue_config()
+        self._sequence_queue = server.sequence_queue_config()
+        self._max_prefill_tokens = settings.max_prefill_tokens
         self._batch = config.batch_config(spec.name)
         self.fleet = Fleet(
             self.kernel,
@@ -211,10 +216,11 @@ class Simulation:
             self.scenario.model,
             service.step,
             self.scenario.config.model(self.scenario.model).batching.max_num_seqs,
-            self._worker_queue,
+            self._sequence_queue,
             self,
             self.recorder,
             self.scenario.prefix_cache,
+            self._max_prefill_tokens,
         )
 
     # ------------------------------------------------------------------ run

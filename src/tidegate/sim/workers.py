@@ -14,6 +14,10 @@
   step and frees its slot at once. With a ``PrefixCache`` (``sim.prefix_cache``) each
   replica keeps an LRU of prompt blocks: a joining sequence's cached leading blocks are not
   prefilled again (fewer prefill tokens for the step, and no ``prefill_s_per_block``).
+  With ``max_prefill_tokens`` (the worker's prefill budget) a sequence takes a free slot only
+  while the prompts granted and not yet prefilled stay within it, so the rest wait in the
+  queue, where fair sharing (the tenant's counters, when the worker's queue has them) and
+  priority still order them, instead of in the engine's next prefill.
 
 The engine is not stepped token by token: between two changes of its running set every
 step lasts the same, so one event covers a whole run of steps, up to the first sequence to
@@ -87,7 +91,9 @@ class _LocalQueue:
         """Queue ``ticket`` here as the worker does on receipt; False if refused."""
         request = ticket.request
         level = worker_level(request.priority, self._levels)
-        local = Request(request.id, self.model, level, now, None, cost_tokens)
+        local = Request(
+            request.id, self.model, level, now, None, cost_tokens, tenant=request.tenant
+        )
         if isinstance(self.queue.admit(local, now), Rejected):
             self.sink.refused(self.replica_id, ticket)
             return False
@@ -185,10 +191,13 @@ class SequenceWorker(_LocalQueue):
         sink: Sink,
         recorder: Recorder,
         prefix_cache: PrefixCache | None = None,
+        max_prefill_tokens: int = 0,
     ) -> None:
         super().__init__(kernel, replica_id, model, queue, sink, recorder)
         self.service = service
         self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens  # 0: no bound
+        self.pending_prefill = 0  # prompt tokens granted a slot, not yet at a first token
         self.prefix_cache = prefix_cache
         self.cached = BlockLRU(prefix_cache.capacity_blocks) if prefix_cache else None
         self.num_running = 0  # slots granted: joining + prefilling + decoding
@@ -213,11 +222,29 @@ class SequenceWorker(_LocalQueue):
         free = self.max_num_seqs - self.num_running
         if free <= 0 or not len(self.queue):
             return False
-        granted = self.queue.pop(free, now)
-        for request in granted:
-            self.joining.append(self.tickets.pop(request.id))
-        self.num_running += len(granted)
-        return True
+        budget = self.max_prefill_tokens
+        if not budget:
+            granted = self.queue.pop(free, now)
+            for request in granted:
+                self.joining.append(self.tickets.pop(request.id))
+            self.num_running += len(granted)
+            return True
+        # The prefill budget: the head joins while the prompts not yet prefilled stay within
+        # it (one always may, alone); it is never overtaken by a shorter one behind it.
+        queue = self.queue
+        tickets = self.tickets
+        joined = 0
+        while joined < free and len(queue):
+            (head,) = queue.peek(1, now)
+            tokens = tickets[head.id].prompt_tokens
+            if self.pending_prefill and self.pending_prefill + tokens > budget:
+                break
+            queue.pop(1, now)
+            self.joining.append(tickets.pop(head.id))
+            self.pending_prefill += tokens
+            joined += 1
+        self.num_running += joined
+        return joined > 0
 
     def _wake_engine(self, now: float) -> None:
         if self.boundary_at is None:
@@ -287,6 +314,7 @@ class SequenceWorker(_LocalQueue):
         self.step_index = step
         done: list[Ticket] = []
         for ticket in self.prefilling:
+            self.pending_prefill -= ticket.prompt_tokens
             self.sink.first_token(ticket)
             if ticket.output_tokens <= 1:
                 done.append(ticket)
@@ -301,15 +329,28 @@ class SequenceWorker(_LocalQueue):
             done.append(heapq.heappop(decoding)[2])
         if done:
             self.num_running -= len(done)
-            self._fill_slots(now)
+            if self.queue.fair is not None:
+                self._settle(done)
+        if done or self.max_prefill_tokens:
+            self._fill_slots(now)  # a slot freed, or the budget: the prefilled left it
         self._start_run(now)
         if done:
             self.sink.done(self.replica_id, done)
+
+    def _settle(self, done: list[Ticket]) -> None:
+        """Fair sharing in the worker's queue: the served tokens settle their tenants'
+        counters, as the worker does when a sequence ends."""
+        for ticket in done:
+            request = ticket.request
+            tokens = ticket.prompt_tokens + ticket.output_tokens
+            local = Request(request.id, self.model, 0, 0.0, None, tokens, tenant=request.tenant)
+            self.queue.settle(local, ticket.prompt_tokens, ticket.output_tokens)
 
     def take_running(self) -> list[Ticket]:
         self._version += 1
         running = self.joining + self.prefilling + [entry[2] for entry in self.decoding]
         self.joining, self.prefilling, self.decoding = [], [], []
         self.num_running = 0
+        self.pending_prefill = 0
         self.boundary_at = None
         return running
