@@ -196,6 +196,22 @@ GENERATION_CASES = [
         400,
     ),
     Bad("lone_surrogate", CMPL, '{"model": "gen", "prompt": "\\ud800"}', 400),
+    Bad(
+        "tenant_header_with_a_space",
+        CHAT,
+        {"model": "gen", "messages": MSG},
+        400,
+        "X-Tidegate-Tenant",
+        {"X-Tidegate-Tenant": "team a"},
+    ),
+    Bad(
+        "tenant_header_too_long",
+        CMPL,
+        {"model": "gen", "prompt": "a"},
+        400,
+        "X-Tidegate-Tenant",
+        {"X-Tidegate-Tenant": "t" * 129},
+    ),
 ]
 
 

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
+from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.procs import DEADLINE_S
 from tidegate.core.fairness import FairnessConfig
 from tidegate.core.queue import QueueConfig
 from tidegate.engines.base import ModelCard, SamplingParams, TokenEvent
 from tidegate.metrics import WorkerMetrics
+from tidegate.worker.app import create_app
 from tidegate.worker.runtime import Worker, WorkerSettings
 from tidegate.worker.scheduling import SequenceScheduler
 
@@ -285,6 +289,30 @@ def test_the_worker_sequence_queue_carries_fairness_and_the_embedding_queue_does
     assert worker.sequence_queue_config().fairness == fairness
     assert worker.queue_config().fairness is None
     assert worker.sequence_queue_config().levels == worker.queue_config().levels
+
+
+def test_the_tenant_header_reaches_the_fair_queue_and_stats_show_the_budget() -> None:
+    fairness = FairnessConfig(lag_tokens=0.0, reserve_fraction=0.0)
+    settings = WorkerSettings(
+        model="gen", engine="simulated", task="generate", max_prefill_tokens=64, fairness=fairness
+    )
+    with TestClient(create_app(settings)) as client:
+        deadline = time.monotonic() + DEADLINE_S
+        while client.get("/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "simulated worker never became ready"
+            time.sleep(0.05)
+        chat = {"model": "gen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        answer = client.post(
+            "/v1/chat/completions", json=chat, headers={"X-Tidegate-Tenant": "team-a"}
+        )
+        assert answer.status_code == 200, answer.text
+        stats = client.get("/stats").json()
+    assert (stats["max_prefill_tokens"], stats["prefilling_tokens"]) == (64, 0)
+    assert stats["fair_sharing"] is True
+    assert stats["tenants"]["team-a"]["in_flight"] == 0
+    # settled with what it was served: its prompt in at weight 1, 2 tokens out at weight 2
+    served = answer.json()["usage"]["prompt_tokens"] + 2 * 2
+    assert stats["tenants"]["team-a"]["counter"] == served
 
 
 # ----------------------------------------------------------------------------- property

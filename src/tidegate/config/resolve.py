@@ -92,6 +92,7 @@ _RESERVED_HEADERS = frozenset(
         "x-priority",
         "x-request-id",
         "x-tidegate-priority",
+        "x-tidegate-tenant",
         "transfer-encoding",
         "connection",
     }

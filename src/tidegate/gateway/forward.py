@@ -51,6 +51,7 @@ from tidegate.gateway.state import Gateway
 
 log = logging.getLogger("tidegate.gateway")
 WORKER_LEVELS = ("high", "medium", "low")  # the worker's local queue levels
+TENANT_HEADER = "x-tidegate-tenant"  # to tidegate's own workers: whose request it is
 TASK_OF_PATH = {
     "/v1/embeddings": "embeddings",
     "/v1/completions": "generate",
@@ -252,6 +253,8 @@ async def _admit_and_forward(
         "x-tidegate-priority": worker_level,
         "x-request-id": call.rid,
     }
+    if tenant and spec.local and task == "generate":
+        headers[TENANT_HEADER] = tenant  # its sequence queue shares a level by it (fairness)
     connect_failures = 0
     while True:
         replica = await _wait_for_slot(dispatcher, ticket, call)

@@ -1,8 +1,9 @@
 """The worker's HTTP API: OpenAI-compatible endpoints of one engine replica.
 
 The gateway treats a worker exactly like a vLLM server. Extra: ``/stats`` (what the gateway
-needs for flow control), ``/readyz`` gated on warm-up, and the ``X-Tidegate-Priority``
-header that orders the worker's local queue.
+needs for flow control), ``/readyz`` gated on warm-up, the ``X-Tidegate-Priority`` header
+that orders the worker's local queue, and ``X-Tidegate-Tenant``, the tenant the gateway
+forwards, by which the generation queue shares a level when fair sharing is on.
 
 ``on_fatal`` is called when the worker can serve nothing more: its engine failed to start,
 or died later (``Worker.fail``). The server then exits non-zero, so that it is replaced.
@@ -16,6 +17,7 @@ import contextlib
 import functools
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -64,7 +66,10 @@ from tidegate.worker.runtime import WORKER_LEVELS, Worker, WorkerSettings
 
 log = logging.getLogger("tidegate.worker")
 PRIORITY_HEADER = "x-tidegate-priority"
+TENANT_HEADER = "x-tidegate-tenant"
+MAX_TENANT_CHARS = 128
 DEFAULT_LEVEL = 1  # medium, as the gateway's default for keyless requests
+_TENANT_RE = re.compile(rf"[!-~]{{1,{MAX_TENANT_CHARS}}}")  # printable ASCII, no space
 LEVEL_NAMES = [spec.name for spec in WORKER_LEVELS]
 CHAT_DEFAULT_MAX_TOKENS = 256
 
@@ -313,6 +318,19 @@ def _priority(headers: Mapping[str, str]) -> int:
     )
 
 
+def _tenant(headers: Mapping[str, str]) -> str:
+    """The tenant the gateway forwards; "" (the anonymous tenant) when it sends none."""
+    raw = headers.get(TENANT_HEADER, "")
+    if raw and not _TENANT_RE.fullmatch(raw):
+        raise InvalidRequest(
+            f"X-Tidegate-Tenant must be 1-{MAX_TENANT_CHARS} printable ASCII characters "
+            "without spaces",
+            param="X-Tidegate-Tenant",
+            code="invalid_tenant",
+        )
+    return raw
+
+
 def _texts(body: wire.EmbeddingsRequest, card: ModelCard) -> list[str]:
     raw = body.input
     if isinstance(raw, str):
@@ -386,11 +404,12 @@ async def _generate(
 ) -> Response:
     assert worker.sequences is not None
     priority = _priority(request.headers)
+    tenant = _tenant(request.headers)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     chunks = _Chunks(rid, body.model, created, chat)
     usage = {"prompt_tokens": len(prompt_ids)}
-    events = worker.sequences.stream(rid, prompt_ids, params, priority)
+    events = worker.sequences.stream(rid, prompt_ids, params, priority, tenant)
     if not body.stream:
         started = time.monotonic()
         with _outcome(worker, priority) as outcome:
@@ -600,6 +619,11 @@ def _stats(worker: Worker) -> dict[str, Any]:
             "slots": q.slots,
             "max_batch_size": q.max_num_seqs,
             "throughput_per_s": round(q.throughput.per_s(now), 3),
+            # the prefill budget (0: none) and the prompt tokens admitted, not yet prefilled
+            "max_prefill_tokens": q.max_prefill_tokens,
+            "prefilling_tokens": q.prefilling_tokens,
+            "fair_sharing": q.queue.fair is not None,
+            "tenants": q.queue.tenants(),  # {} without fair sharing
         }
     return base | {"queued": 0, "in_flight": 0, "running": 0, "slots": 0}
 
