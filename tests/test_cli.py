@@ -136,3 +136,48 @@ def test_the_readme_status_names_what_works_and_nothing_as_to_come() -> None:
     assert "next issue" not in status
     for command in ("tidegate serve", "tidegate profile", "tidegate simulate", "tidegate k8s"):
         assert command in status, command
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--max-prefill-tokens", "-1"], "--max-prefill-tokens"),
+        (["--fair-sharing", "--fair-input-weight", "-1"], "--fair-input-weight"),
+        (["--fair-sharing", "--fair-output-weight", "nan"], "--fair-output-weight"),
+        (["--fair-sharing", "--fair-lag-tokens", "inf"], "--fair-lag-tokens"),
+        (
+            ["--fair-sharing", "--fair-input-weight", "0", "--fair-output-weight", "0"],
+            "--fair-input-weight",
+        ),
+        (["--fair-sharing", "--tenant-share", "team-a"], "--tenant-share"),
+        (["--fair-sharing", "--tenant-share", "team-a=0"], "--tenant-share"),
+        (["--fair-sharing", "--tenant-share", "team a=1"], "--tenant-share"),
+        (["--fair-sharing", "--tenant-share", "a=1", "--tenant-share", "a=2"], "--tenant-share"),
+        (["--fair-lag-tokens", "10"], "--fair-lag-tokens"),
+        (["--tenant-share", "a=1"], "--tenant-share"),
+    ],
+    ids=[
+        "negative_budget",
+        "negative_weight",
+        "nan_weight",
+        "infinite_lag",
+        "both_weights_zero",
+        "share_without_a_value",
+        "zero_share",
+        "tenant_with_a_space",
+        "tenant_twice",
+        "fair_flag_without_fair_sharing",
+        "share_without_fair_sharing",
+    ],
+)
+def test_a_bad_worker_flag_exits_2_naming_it(
+    flags: list[str], named: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tidegate.worker import server
+
+    started: list[object] = []
+    monkeypatch.setattr(server, "serve_worker", lambda *args: started.append(args) or 0)
+    result = CliRunner().invoke(app, ["worker", "--model", "sim", "--engine", "simulated", *flags])
+    assert result.exit_code == 2, result.output
+    assert named in result.output
+    assert started == []

@@ -122,3 +122,54 @@ def test_rendered_config_reads_back_the_same() -> None:
     )
     again = parse_config(yaml.safe_load(render_config(config)), "rendered")
     assert again.batch_config("emb") == config.batch_config("emb")
+
+
+def _generate(batching: dict[str, Any], engine: str = "simulated", **extra: Any) -> dict[str, Any]:
+    model: dict[str, Any] = {"name": "gen", "task": "generate", "engine": engine}
+    if engine == "openai":
+        model["upstreams"] = ["http://127.0.0.1:9"]
+    return {"models": [{**model, "batching": batching}], **extra}
+
+
+def test_the_prefill_budget_reaches_the_worker_and_renders_back() -> None:
+    config = parse_config(_generate({"max_prefill_tokens": 4096}), "c.yaml")
+    assert config.model("gen").batching.max_prefill_tokens == 4096
+    assert config.worker_settings("gen").max_prefill_tokens == 4096
+    again = parse_config(yaml.safe_load(render_config(config)), "rendered")
+    assert again.model("gen").batching == config.model("gen").batching
+    assert parse_config(_generate({}), "c.yaml").worker_settings("gen").max_prefill_tokens == 0
+
+
+def test_fair_sharing_reaches_the_worker_without_a_slot_reserve() -> None:
+    tenancy = {"fair_sharing": True, "output_weight": 3, "weights": {"team-a": 2}}
+    config = parse_config(_generate({}, tenancy=tenancy), "c.yaml")
+    fairness = config.worker_settings("gen").fairness
+    assert config.fairness is not None
+    assert fairness is not None
+    assert fairness.output_weight == 3
+    assert fairness.shares == (("team-a", 2.0),)
+    assert fairness.reserve_fraction == 0.0 < config.fairness.reserve_fraction
+    assert parse_config(_generate({}), "c.yaml").worker_settings("gen").fairness is None
+
+
+@pytest.mark.parametrize(
+    ("data", "names"),
+    [
+        (_config({"max_prefill_tokens": 512}), "task embeddings"),
+        (_generate({"max_prefill_tokens": 512}, engine="openai"), "engine openai"),
+    ],
+    ids=["embeddings_model", "openai_upstream"],
+)
+def test_a_prefill_budget_only_for_own_generation_workers(data: dict[str, Any], names: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "c.yaml")
+    assert info.value.file == "c.yaml"
+    assert info.value.key == "models[0].batching.max_prefill_tokens"
+    assert names in str(info.value)
+    assert "remove max_prefill_tokens" in str(info.value)
+
+
+def test_a_negative_prefill_budget_is_refused() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(_generate({"max_prefill_tokens": -1}), "c.yaml")
+    assert info.value.key == "models[0].batching.max_prefill_tokens"

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from tidegate import __version__
+
+if TYPE_CHECKING:
+    from tidegate.core.fairness import FairnessConfig
 
 app = typer.Typer(
     name="tidegate",
@@ -71,6 +75,65 @@ def _level_windows(text: str) -> tuple[float | None, ...]:
             err=True,
         )
         raise typer.Exit(2) from None
+
+
+def _flag_error(flag: str, problem: str, fix: str) -> typer.Exit:
+    typer.echo(f"error: {flag}: {problem}. Fix: {fix}", err=True)
+    return typer.Exit(2)
+
+
+def _tenant_share(text: str) -> tuple[str, float]:
+    """``--tenant-share NAME=SHARE`` -> (NAME, SHARE); a bad one exits with status 2."""
+    from tidegate.worker.runtime import TENANT_RE
+
+    name, _, share = text.rpartition("=")
+    try:
+        value = float(share)
+    except ValueError:
+        value = -1.0
+    if not TENANT_RE.fullmatch(name) or not (value > 0 and math.isfinite(value)):
+        raise _flag_error(
+            "--tenant-share",
+            f"{text!r} is not NAME=SHARE",
+            "a tenant (printable ASCII, no spaces) = a share > 0, e.g. team-a=2",
+        )
+    return name, value
+
+
+def _fairness(
+    fair_sharing: bool, weights: dict[str, float | None], shares: list[str]
+) -> FairnessConfig | None:
+    """The worker's fair sharing from its flags: ``weights`` maps --fair-input-weight,
+    --fair-output-weight and --fair-lag-tokens to their values (None: not given, the
+    default). The worker holds no slots back (``reserve_fraction`` 0)."""
+    from tidegate.core.fairness import FairnessConfig
+
+    given = {flag: value for flag, value in weights.items() if value is not None}
+    if not fair_sharing:
+        if given or shares:
+            flag = next(iter(given), "--tenant-share")
+            raise _flag_error(flag, "needs --fair-sharing", "add --fair-sharing, or remove it")
+        return None
+    for flag, value in given.items():
+        if not math.isfinite(value):
+            raise _flag_error(flag, f"{value} is not a finite number", "give a number >= 0")
+    parsed = sorted(map(_tenant_share, shares))
+    names = [name for name, _ in parsed]
+    if len(set(names)) < len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        raise _flag_error("--tenant-share", f"tenant {twice!r} given twice", "give each once")
+    defaults = FairnessConfig()
+    try:
+        return FairnessConfig(
+            input_weight=given.get("--fair-input-weight", defaults.input_weight),
+            output_weight=given.get("--fair-output-weight", defaults.output_weight),
+            lag_tokens=given.get("--fair-lag-tokens", defaults.lag_tokens),
+            shares=tuple(parsed),
+            reserve_fraction=0.0,
+        )
+    except ValueError as exc:  # both weights 0
+        fix = "give it or --fair-output-weight a value > 0"
+        raise _flag_error("--fair-input-weight", str(exc), fix) from None
 
 
 @app.command()
@@ -157,6 +220,36 @@ def worker(
     min_batch_size: Annotated[
         int, typer.Option(min=1, help="Embeddings: the AIMD cap's floor.")
     ] = 1,
+    max_prefill_tokens: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Generation: a sequence joins the running batch only while the prompts not "
+            "yet at their first token stay within this many tokens (one always joins). "
+            "0: no bound.",
+        ),
+    ] = 0,
+    fair_sharing: Annotated[
+        bool,
+        typer.Option(
+            help="Generation: order the sequence queue inside a level by tenant (virtual "
+            "token counters; the tenant the gateway sends in X-Tidegate-Tenant)."
+        ),
+    ] = False,
+    fair_input_weight: Annotated[
+        float | None, typer.Option(min=0.0, help="Fair sharing: weight of a prompt token (1).")
+    ] = None,
+    fair_output_weight: Annotated[
+        float | None, typer.Option(min=0.0, help="Fair sharing: weight of an output token (2).")
+    ] = None,
+    fair_lag_tokens: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="Fair sharing: most credit an idle tenant banks (1000)."),
+    ] = None,
+    tenant_share: Annotated[
+        list[str] | None,
+        typer.Option(help="Fair sharing: NAME=SHARE, a tenant's share (default 1); repeatable."),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve one replica of one model over the OpenAI HTTP API."""
@@ -180,6 +273,16 @@ def worker(
         target_p99_ms=target_p99_ms,
         min_batch_size=min_batch_size,
         max_num_seqs=max_num_seqs,
+        max_prefill_tokens=max_prefill_tokens,
+        fairness=_fairness(
+            fair_sharing,
+            {
+                "--fair-input-weight": fair_input_weight,
+                "--fair-output-weight": fair_output_weight,
+                "--fair-lag-tokens": fair_lag_tokens,
+            },
+            tenant_share or [],
+        ),
         profile=str(profile) if profile else None,
         seed=seed,
         memory_fraction=memory_fraction,

@@ -154,6 +154,37 @@ def test_worker_command_carries_the_settings() -> None:
     assert (pairs["--host"], pairs["--port"]) == ("127.0.0.1", "0")
 
 
+def test_worker_command_round_trips_the_prefill_budget_and_fair_sharing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from typer.testing import CliRunner
+
+    from tidegate.cli import app
+    from tidegate.worker import server
+
+    tenancy = {"fair_sharing": True, "input_weight": 0.5, "lag_tokens": 250, "weights": {"a": 3}}
+    gen = sim(task="generate", batching={"max_prefill_tokens": 2048, "max_num_seqs": 8})
+    config = parse_config(
+        {"tenancy": tenancy, "pools": {"shared": {"devices": ["cpu"]}}, "models": [gen]}, "<t>"
+    )
+    settings = config.worker_settings("sim")
+    assert settings.fairness is not None
+    assert settings.fairness.reserve_fraction == 0.0
+    command = worker_command(settings)
+    started: list[Any] = []
+    monkeypatch.setattr(server, "serve_worker", lambda s, *rest: started.append(s) or 0)
+    result = CliRunner().invoke(app, command[command.index("worker") :])
+    assert result.exit_code == 0, result.output
+    assert started == [settings]  # every setting back as it was, the fairness included
+
+
+def test_worker_command_leaves_the_defaults_out() -> None:
+    settings = sim_config(sim(task="generate")).worker_settings("sim")
+    command = worker_command(settings)
+    assert settings.fairness is None
+    assert not {"--max-prefill-tokens", "--fair-sharing", "--tenant-share"} & set(command)
+
+
 # ----------------------------------------------------------------------------- local workers
 @pytest.mark.asyncio
 async def test_workers_start_restart_after_a_crash_and_stop(tmp_path: Path) -> None:

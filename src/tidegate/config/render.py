@@ -110,6 +110,7 @@ def _render_model(model: ModelSpec, levels: tuple[str, ...]) -> dict[str, Any]:
         "batch_window_ms": model.batching.batch_window_ms,
         "max_batch_tokens": model.batching.max_batch_tokens,
         "max_num_seqs": model.batching.max_num_seqs,
+        "max_prefill_tokens": model.batching.max_prefill_tokens,
         "window_ms_by_priority": {
             name: window
             for name, window in zip(levels, model.batching.level_windows_ms, strict=False)

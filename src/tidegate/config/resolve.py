@@ -112,8 +112,17 @@ class _Resolver:
         self.control = ControlResolver(source, self.notes)  # devices, GPU asks, autoscaling
         self.inventory: tuple[Device, ...] = ()
 
-    def _batching(self, b: _BatchingIn, key: str) -> BatchingSpec:
+    def _batching(self, b: _BatchingIn, key: str, task: str, engine: str) -> BatchingSpec:
         """The batching section; adaptive keys checked against the levels and the window."""
+        if b.max_prefill_tokens and (task != "generate" or engine == "openai"):
+            self.fail(
+                f"{key}.max_prefill_tokens",
+                "max_prefill_tokens bounds the prompts that join the running batch of "
+                "tidegate's own generation workers before their first token "
+                f"(this model: task {task}, engine {engine})",
+                "remove max_prefill_tokens (an embeddings model has no prefill to bound; an "
+                "openai upstream schedules its own)",
+            )
         windows: list[float | None] = [None] * len(self.levels)
         for name, window in b.window_ms_by_priority.items():
             self.level(name, f"{key}.window_ms_by_priority")
@@ -136,6 +145,7 @@ class _Resolver:
             batch_window_ms=b.batch_window_ms,
             max_batch_tokens=b.max_batch_tokens,
             max_num_seqs=b.max_num_seqs,
+            max_prefill_tokens=b.max_prefill_tokens,
             level_windows_ms=tuple(windows) if b.window_ms_by_priority else (),
             load_aware_window=b.load_aware_window,
             length_candidates=b.length_candidates,
@@ -386,7 +396,7 @@ class _Resolver:
             if sum(control.replicas.values()) == 0:
                 self.notes.append(f"model {m.name} starts with no replica")
             self._check_weights(m)
-        batching = self._batching(m.batching or _BatchingIn(), f"{key}.batching")
+        batching = self._batching(m.batching or _BatchingIn(), f"{key}.batching", task, m.engine)
         if not self.fifo:  # fifo: every pool serves its one level
             served = {level for name in model_pools for level in pools[name].priorities}
             self.notes += unserved_level_notes(m.name, model_pools, served, self.levels, self.aging)

@@ -139,6 +139,7 @@ class _BatchingIn(_Strict):
     batch_window_ms: NonNegativeFloat = 5.0
     max_batch_tokens: PositiveInt | None = None
     max_num_seqs: PositiveInt = 16
+    max_prefill_tokens: NonNegativeInt = 0  # generate: prompts joining before a 1st token
     # adaptive batching (core.batching, core.batch_adapt); docs/config.md
     window_ms_by_priority: dict[str, NonNegativeFloat] = Field(default_factory=dict)
     load_aware_window: bool = False

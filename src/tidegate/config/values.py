@@ -7,7 +7,7 @@ import hashlib
 import hmac
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -93,6 +93,9 @@ class BatchingSpec:
     batch_window_ms: float = 5.0
     max_batch_tokens: int | None = None
     max_num_seqs: int = 16
+    # generate, own workers: a sequence joins the engine only while the prompts of those
+    # admitted and not yet at their first token stay within this many tokens; 0: no bound
+    max_prefill_tokens: int = 0
     # adaptive batching: per level index (the config's priorities), None: batch_window_ms
     level_windows_ms: tuple[float | None, ...] = ()
     load_aware_window: bool = False
@@ -369,6 +372,9 @@ class TidegateConfig:
             )
         if device == "auto" or not _DEVICE_RE.match(device):
             raise ValueError(f"device must be cpu or cuda:N, got {device!r}")
+        # Fair sharing orders the tenants of the worker's sequence queue too; slot shares
+        # are the gateway's (the model's slots), so none are held back in a worker.
+        fairness = self.fairness and replace(self.fairness, reserve_fraction=0.0)
         return WorkerSettings(
             model=model.name,
             engine=model.engine,
@@ -386,6 +392,8 @@ class TidegateConfig:
             target_p99_ms=model.batching.target_p99_ms,
             min_batch_size=model.batching.min_batch_size,
             max_num_seqs=model.batching.max_num_seqs,
+            max_prefill_tokens=model.batching.max_prefill_tokens,
+            fairness=fairness,
             profile=model.profile,
             probe_max_ms=model.probe_max_ms,
             engine_process=model.engine_process,

@@ -163,7 +163,9 @@ def worker_command(settings: WorkerSettings, log_level: str = "info") -> list[st
         args.append("--engine-process" if s.engine_process else "--no-engine-process")
     if s.engine_threads is not None:
         args += ["--engine-threads", str(s.engine_threads)]
-    return args
+    if s.max_prefill_tokens:
+        args += ["--max-prefill-tokens", str(s.max_prefill_tokens)]
+    return args + _fairness_args(s)
 
 
 def parent_death_signal() -> Callable[[], None] | None:
@@ -670,6 +672,26 @@ def _exit_text(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with status {code}"
+
+
+def _fairness_args(s: WorkerSettings) -> list[str]:
+    """The worker flags of fair sharing in its sequence queue (none when it is off); the
+    worker holds no slots back, so ``reserve_fraction`` has no flag."""
+    fairness = s.fairness
+    if fairness is None:
+        return []
+    args = [
+        "--fair-sharing",
+        "--fair-input-weight",
+        repr(fairness.input_weight),
+        "--fair-output-weight",
+        repr(fairness.output_weight),
+        "--fair-lag-tokens",
+        repr(fairness.lag_tokens),
+    ]
+    for tenant, share in fairness.shares:
+        args += ["--tenant-share", f"{tenant}={share!r}"]
+    return args
 
 
 def _adaptive_batching_args(s: WorkerSettings) -> list[str]:

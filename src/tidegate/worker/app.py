@@ -17,7 +17,6 @@ import contextlib
 import functools
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -62,14 +61,18 @@ from tidegate.errors import (
     TidegateError,
 )
 from tidegate.fastroute import FastRoutes, Reply, error_reply, json_reply
-from tidegate.worker.runtime import WORKER_LEVELS, Worker, WorkerSettings
+from tidegate.worker.runtime import (
+    MAX_TENANT_CHARS,
+    TENANT_RE,
+    WORKER_LEVELS,
+    Worker,
+    WorkerSettings,
+)
 
 log = logging.getLogger("tidegate.worker")
 PRIORITY_HEADER = "x-tidegate-priority"
 TENANT_HEADER = "x-tidegate-tenant"
-MAX_TENANT_CHARS = 128
 DEFAULT_LEVEL = 1  # medium, as the gateway's default for keyless requests
-_TENANT_RE = re.compile(rf"[!-~]{{1,{MAX_TENANT_CHARS}}}")  # printable ASCII, no space
 LEVEL_NAMES = [spec.name for spec in WORKER_LEVELS]
 CHAT_DEFAULT_MAX_TOKENS = 256
 
@@ -321,7 +324,7 @@ def _priority(headers: Mapping[str, str]) -> int:
 def _tenant(headers: Mapping[str, str]) -> str:
     """The tenant the gateway forwards; "" (the anonymous tenant) when it sends none."""
     raw = headers.get(TENANT_HEADER, "")
-    if raw and not _TENANT_RE.fullmatch(raw):
+    if raw and not TENANT_RE.fullmatch(raw):
         raise InvalidRequest(
             f"X-Tidegate-Tenant must be 1-{MAX_TENANT_CHARS} printable ASCII characters "
             "without spaces",

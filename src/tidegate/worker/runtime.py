@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,11 @@ log = logging.getLogger("tidegate.worker")
 # generation queue also by tenant inside a level when fair sharing is on.
 WORKER_LEVELS = (LevelSpec("high"), LevelSpec("medium"), LevelSpec("low"))
 
+
+# A tenant as the gateway forwards it (X-Tidegate-Tenant) or a share names it
+# (--tenant-share): printable ASCII without spaces, at most 128 characters.
+MAX_TENANT_CHARS = 128
+TENANT_RE = re.compile(rf"[!-~]{{1,{MAX_TENANT_CHARS}}}")
 
 PROBE_ATTEMPTS = 5  # slow probes before the worker gives up starting
 PROBE_RETRY_S = 0.5
