@@ -90,6 +90,21 @@ def test_engine_threads_reach_the_worker_and_its_stats() -> None:
         assert httpx.get(f"{w.url}/stats", timeout=DEADLINE_S).json()["engine_threads"] is None
 
 
+def test_prefill_budget_and_fair_sharing_from_the_command_line_to_stats() -> None:
+    flags = ("--task", "generate", "--max-prefill-tokens", "512", "--fair-sharing")
+    with worker_process("--model", "sim", "--engine", "simulated", *flags) as w:
+        chat = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        headers = {"X-Tidegate-Tenant": "team-a"}
+        answer = httpx.post(
+            f"{w.url}/v1/chat/completions", json=chat, headers=headers, timeout=DEADLINE_S
+        )
+        assert answer.status_code == 200, answer.text
+        stats = httpx.get(f"{w.url}/stats", timeout=DEADLINE_S).json()
+    assert (stats["max_prefill_tokens"], stats["prefilling_tokens"]) == (512, 0)
+    assert stats["fair_sharing"] is True
+    assert set(stats["tenants"]) == {"team-a"}
+
+
 def test_length_aware_on_cost_from_the_command_line_to_stats() -> None:
     flags = ("--length-candidates", "8", "--batch-overhead-tokens", "35")
     with worker_process("--model", "sim", "--engine", "simulated", *flags) as w:
