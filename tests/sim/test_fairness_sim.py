@@ -7,10 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tidegate.sim.recorder import RequestRecord
 from tidegate.sim.run import Scenario, Simulation
+from tidegate.sim.service import ServiceModel
 from tidegate.sim.traces import open_trace
+from tidegate.sim.workers import SequenceWorker
 from tidegate.sim.workload import Arrival, Limited, Listed
 
 from .conftest import FIXTURES, config_of, flat_batch_service, flat_step_service, run_records
@@ -152,3 +156,98 @@ def test_the_slot_reserve_starts_a_newcomer_at_once(
     assert (light_wait_s > 1.0) == light_waits, light_wait_s
     tenants = simulation.gateway.queue.tenants()
     assert all(tenant["in_flight"] == 0 for tenant in tenants.values())
+
+
+# The prefill budget (batching.max_prefill_tokens): heavy sends six of 100 prompt tokens at
+# t=0..0.005 and light one at t=0.012; 8 sequence slots, so the gateway dispatches them all
+# at once and the order is the worker's. Steps are 10 ms: heavy 0 is prefilled in [0, 0.01).
+BUDGET_ARRIVALS = [Arrival(0.001 * i, 100, 50, None, "heavy") for i in range(6)]
+BUDGET_ARRIVALS.append(Arrival(0.012, 100, 50, None, "light"))
+
+
+def _first_token_at(records: dict[str, RequestRecord], rid: str) -> float:
+    ttft = records[rid].ttft_s
+    assert ttft is not None
+    return BUDGET_ARRIVALS[int(rid)].arrival_s + ttft
+
+
+@pytest.mark.parametrize(
+    ("fair", "budget", "heavy_before_light"),
+    [
+        (True, 100, 2),  # one prompt per step; the worker's counters put light next: t=0.03
+        (False, 100, 6),  # one prompt per step in arrival order: light last, t=0.07
+        (True, 0, 6),  # no budget: heavy 1-5 joined the step at t=0.01 before light came
+    ],
+)
+def test_with_a_prefill_budget_the_workers_fair_queue_orders_the_prefills(
+    fair: bool, budget: int, heavy_before_light: int
+) -> None:
+    data = _generation(fair)
+    data["models"][0]["batching"] = {"max_num_seqs": 8, "max_prefill_tokens": budget}
+    data["tenancy"]["slot_reserve_fraction"] = 0.0
+    simulation, records = _run_generation(data, BUDGET_ARRIVALS)
+    light_at = _first_token_at(records, "6")
+    assert sum(_first_token_at(records, str(i)) < light_at for i in range(6)) == (
+        heavy_before_light
+    )
+    (replica,) = simulation.fleet.live.values()
+    assert isinstance(replica.worker, SequenceWorker)
+    assert replica.worker.pending_prefill == 0
+
+
+class _StepSpy:
+    """10 ms steps; remembers each step's prefill: (sequences, prompt tokens)."""
+
+    def __init__(self) -> None:
+        self.prefills: list[tuple[int, int]] = []
+
+    def step_s(self, num_decode: int, num_prefill: int, prefill_tokens: int) -> float:
+        if num_prefill:
+            self.prefills.append((num_prefill, prefill_tokens))
+        return 0.01
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    budget=st.integers(min_value=1, max_value=400),
+    fair=st.booleans(),
+    arrivals=st.lists(
+        st.tuples(
+            st.floats(min_value=0.0, max_value=0.2),
+            st.integers(min_value=1, max_value=300),
+            st.integers(min_value=1, max_value=20),
+            st.sampled_from(["a", "b", "c"]),
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+)
+def test_a_prefill_step_holds_more_than_the_budget_only_as_one_prompt(
+    budget: int, fair: bool, arrivals: list[tuple[float, int, int, str]]
+) -> None:
+    """Whatever arrives: a step prefills several prompts only within the budget (one alone
+    may exceed it), every request completes, and nothing is left counted as pending."""
+    data = _generation(fair)
+    data["models"][0]["batching"] = {"max_num_seqs": 4, "max_prefill_tokens": budget}
+    spy = _StepSpy()
+    workload = [
+        Arrival(at, prompt, output, None, tenant) for at, prompt, output, tenant in sorted(arrivals)
+    ]
+    scenario = Scenario(
+        config_of(data),
+        "m",
+        ServiceModel("spy", "generate", step=spy),
+        Listed("test", workload),
+        {"shared": 1},
+        keep_requests=True,
+    )
+    simulation = Simulation(scenario)
+    result = simulation.run()
+    assert result.recorder.requests is not None
+    assert len(result.recorder.requests) == len(workload)
+    assert all(record.outcome == "completed" for record in result.recorder.requests)
+    assert all(count == 1 or tokens <= budget for count, tokens in spy.prefills)
+    assert sum(count for count, _ in spy.prefills) == len(workload)
+    for replica in simulation.fleet.live.values():
+        assert isinstance(replica.worker, SequenceWorker)
+        assert replica.worker.pending_prefill == 0

@@ -141,9 +141,9 @@ class Simulation:
         self._default = config.default_priority
         self._model = spec.name
         # The worker's own queue, as a worker with this model's batching builds it.
-        settings = WorkerSettings(
-            model=spec.name, fairness=config.fairness, **dataclasses.asdict(spec.batching)
-        )
+        settings = config.worker_settings(spec.name) if spec.local else None
+        if settings is None:  # served by upstreams: a worker with this model's batching
+            settings = WorkerSettings(model=spec.name, **dataclasses.asdict(spec.batching))
         server = ServerWorker(settings)
         self._worker_queue = server.queue_config()
         self._sequence_queue = server.sequence_queue_config()

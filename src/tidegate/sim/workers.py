@@ -225,8 +225,12 @@ class SequenceWorker(_LocalQueue):
         budget = self.max_prefill_tokens
         if not budget:
             granted = self.queue.pop(free, now)
+            tokens = 0
             for request in granted:
-                self.joining.append(self.tickets.pop(request.id))
+                ticket = self.tickets.pop(request.id)
+                self.joining.append(ticket)
+                tokens += ticket.prompt_tokens
+            self.pending_prefill += tokens
             self.num_running += len(granted)
             return True
         # The prefill budget: the head joins while the prompts not yet prefilled stay within
@@ -338,13 +342,15 @@ class SequenceWorker(_LocalQueue):
             self.sink.done(self.replica_id, done)
 
     def _settle(self, done: list[Ticket]) -> None:
-        """Fair sharing in the worker's queue: the served tokens settle their tenants'
-        counters, as the worker does when a sequence ends."""
+        """Fair sharing in the worker's queue: each ended sequence's tenant gives its slot
+        back and is settled with the tokens served, as the worker does."""
+        queue = self.queue
         for ticket in done:
             request = ticket.request
             tokens = ticket.prompt_tokens + ticket.output_tokens
             local = Request(request.id, self.model, 0, 0.0, None, tokens, tenant=request.tenant)
-            self.queue.settle(local, ticket.prompt_tokens, ticket.output_tokens)
+            queue.vacate(local)
+            queue.settle(local, ticket.prompt_tokens, ticket.output_tokens)
 
     def take_running(self) -> list[Ticket]:
         self._version += 1
