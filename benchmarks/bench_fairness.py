@@ -16,8 +16,12 @@ side by side: the order before slot shares.
    second); then the light client is offered ``--light-share`` of its fair share and the
    heavy one 10x its fair share. Runs: light alone; light + heavy under FIFO; under VTC
    with counters only; under VTC with slot shares and no slot reserve; under VTC with the
-   slot reserve (``--reserve-fraction``, default the configuration's: the verdicts'); then
-   one run per ``--reserve-sweep`` fraction (rows only). Latency: end-to-end per request
+   slot reserve (``--reserve-fraction``, default the configuration's); the same with the
+   workers' prefill budget (``batching.max_prefill_tokens`` = ``--prefill-budget``: a
+   sequence joins the engine only while the prompts not yet prefilled stay within it, and
+   the worker's own queue orders the rest by the tenants' counters; the verdicts' run);
+   then one run per ``--reserve-sweep`` fraction, with the budget (rows only). The FIFO
+   runs have no budget (today's default). Latency: end-to-end per request
    (queue wait included) and TTFT, by tenant; TTFT also of the arrivals after the first
    ``--warmup-s`` (the flood takes every slot at the start, before the light one sends).
 0. Single-tenant cost: bench_queue's pick loop (pre-filled to a depth, then submit one, pick
@@ -34,8 +38,8 @@ side by side: the order before slot shares.
 Run (about 7 minutes on 2 cores; ``--quick``: shorter runs, sim only):
     .venv/bin/python benchmarks/bench_fairness.py [--quick] [--no-gateway] [--json out.json]
         [--verdict v.json] [--gateway-replicas N --service-ms MS]
-Prints markdown tables, PASS/MISS lines and NOTE lines (slot shares, then the slot reserve,
-before -> after, same run); always exits 0.
+Prints markdown tables, PASS/MISS lines and NOTE lines (slot shares, the slot reserve, then
+the prefill budget, before -> after, same run); always exits 0.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ THROUGHPUT_TOLERANCE = 0.05
 TENANCY_ON = "tenancy:\n  fair_sharing: true\n"
 VTC_COUNTERS = "vtc, counters only"  # VTC without slot shares: the order before them
 VTC_SHARES = "vtc + slot shares"  # VTC with slot shares and no slot reserve: before it
+VTC_BUDGET = "vtc + reserve + prefill budget"  # and the worker's prefill budget: the verdicts'
 
 
 @dataclass
@@ -212,7 +217,10 @@ def sim_rows(args: argparse.Namespace) -> list[SimRow]:
     duration = args.duration_s
     fifo_config = AZURE_CONFIG.replace("replicas: 4", f"replicas: {args.replicas}")
     shares_config = fifo_config + TENANCY_ON + reserve_line(0.0)
-    vtc_config = fifo_config + TENANCY_ON + reserve_line(args.reserve_fraction)
+    reserve_config = fifo_config + TENANCY_ON + reserve_line(args.reserve_fraction)
+    # The worker's prefill budget (batching.max_prefill_tokens) on top: the verdicts' run.
+    budget_config = with_prefill_budget(fifo_config, args.prefill_budget) + TENANCY_ON
+    vtc_config = budget_config + reserve_line(args.reserve_fraction)
 
     # Capacity: the heavy client alone at an overload no fleet of this size keeps up with
     # (completions per second while it lasts).
@@ -234,11 +242,13 @@ def sim_rows(args: argparse.Namespace) -> list[SimRow]:
         ("light + heavy", "fifo", fifo_config, both, True),
         ("light + heavy", VTC_COUNTERS, shares_config, both, False),
         ("light + heavy", VTC_SHARES, shares_config, both, True),
-        ("light + heavy", f"vtc + reserve {args.reserve_fraction:g}", vtc_config, both, True),
+        ("light + heavy", f"vtc + reserve {args.reserve_fraction:g}", reserve_config, both, True),
+        ("light + heavy", f"{VTC_BUDGET} {args.prefill_budget:,}", vtc_config, both, True),
     ]
     for fraction in args.reserve_sweep:  # more rows, no verdicts: the reserve's curve
-        sweep_config = fifo_config + TENANCY_ON + reserve_line(fraction)
-        runs.append(("light + heavy", f"vtc + reserve {fraction:g}", sweep_config, both, True))
+        sweep_config = budget_config + reserve_line(fraction)
+        policy = f"vtc + reserve {fraction:g} + prefill budget {args.prefill_budget:,}"
+        runs.append(("light + heavy", policy, sweep_config, both, True))
     rows = []
     for run, policy, config_text, tenants, slot_shares in runs:
         latencies, ttfts, late, engine, offered, completed, throughput, tokens = simulate(
@@ -266,6 +276,15 @@ def sim_rows(args: argparse.Namespace) -> list[SimRow]:
         )
         print(f"  {run} {policy}: done", file=sys.stderr)
     return rows
+
+
+def with_prefill_budget(config_text: str, tokens: int) -> str:
+    """``config_text`` with the model's batching.max_prefill_tokens set (0: none)."""
+    if not tokens:
+        return config_text
+    line = "      max_num_seqs: 32\n"
+    assert line in config_text
+    return config_text.replace(line, f"{line}      max_prefill_tokens: {tokens}\n")
 
 
 def reserve_line(fraction: float) -> str:
@@ -598,6 +617,12 @@ def main() -> None:
         help="sim: tenancy.slot_reserve_fraction of the last VTC run (default: the config's)",
     )
     parser.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=2048,
+        help="sim: the workers' batching.max_prefill_tokens in the verdicts' VTC run",
+    )
+    parser.add_argument(
         "--reserve-sweep",
         type=float,
         nargs="*",
@@ -636,7 +661,7 @@ def main() -> None:
     rows = sim_rows(args)
     print("## Simulator: ServeGen m-mid clients, llama2-70b fleet\n")
     print(sim_table(rows) + "\n")
-    solo, fifo, counters, shares, vtc = rows[:5]
+    solo, fifo, counters, shares, reserve, vtc = rows[:6]
     lost = (fifo.light_requests - fifo.light_completed, vtc.light_requests - vtc.light_completed)
     results += verdicts(
         "sim",
@@ -671,7 +696,8 @@ def main() -> None:
     )
     notes = [
         before_after_note("slot shares", solo, counters, shares),
-        before_after_note(f"slot reserve {args.reserve_fraction:g}", solo, shares, vtc),
+        before_after_note(f"slot reserve {args.reserve_fraction:g}", solo, shares, reserve),
+        before_after_note(f"prefill budget {args.prefill_budget:,}", solo, reserve, vtc),
     ]
     payload: dict[str, object] = {
         "commit": commit,
