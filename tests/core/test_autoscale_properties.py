@@ -93,16 +93,27 @@ def simulate(config: AutoscaleConfig, start: int, script: list[Step]) -> list[Sc
     return decisions
 
 
+Run = tuple[AutoscaleConfig, list[ScaleDecision]]
+
+
 @st.composite
-def runs(draw: st.DrawFn) -> tuple[AutoscaleConfig, list[ScaleDecision]]:
+def runs(draw: st.DrawFn) -> Run:
     config = draw(configs())
     start = draw(st.integers(config.min_replicas, config.max_replicas))
     return config, simulate(config, start, draw(steps))
 
 
+# The three invariants below hold for any run: one test draws the runs (most of its time)
+# and checks all three on each, the 300 examples each had when they were three tests.
 @settings(max_examples=300, deadline=None)
 @given(runs())
-def test_count_stays_within_min_and_max_or_zero(run: tuple[AutoscaleConfig, list[ScaleDecision]]):
+def test_any_run_keeps_the_bounds_the_down_window_and_holds_on_stale_signals(run: Run):
+    count_stays_within_min_and_max_or_zero(run)
+    no_scale_down_inside_the_down_window_after_a_scale_up(run)
+    a_missing_or_stale_signal_never_changes_the_count(run)
+
+
+def count_stays_within_min_and_max_or_zero(run: Run) -> None:
     config, decisions = run
     for decision in decisions:
         desired = decision.desired_replicas
@@ -110,11 +121,7 @@ def test_count_stays_within_min_and_max_or_zero(run: tuple[AutoscaleConfig, list
         assert within or (desired == 0 and config.scale_to_zero), decision.describe()
 
 
-@settings(max_examples=300, deadline=None)
-@given(runs())
-def test_no_scale_down_inside_the_down_window_after_a_scale_up(
-    run: tuple[AutoscaleConfig, list[ScaleDecision]],
-):
+def no_scale_down_inside_the_down_window_after_a_scale_up(run: Run) -> None:
     config, decisions = run
     window_s = config.scale_down.stabilization_window_s
     last_up_at: float | None = None
@@ -125,11 +132,7 @@ def test_no_scale_down_inside_the_down_window_after_a_scale_up(
             assert decision.decided_at - last_up_at >= window_s, decision.describe()
 
 
-@settings(max_examples=300, deadline=None)
-@given(runs())
-def test_a_missing_or_stale_signal_never_changes_the_count(
-    run: tuple[AutoscaleConfig, list[ScaleDecision]],
-):
+def a_missing_or_stale_signal_never_changes_the_count(run: Run) -> None:
     config, decisions = run
     for decision in decisions:
         sample = decision.inputs.demand
@@ -176,7 +179,7 @@ def test_pods_policies_bound_the_move_from_the_count_at_the_period_start(
 
 @settings(max_examples=100, deadline=None)
 @given(runs())
-def test_same_inputs_same_decisions(run: tuple[AutoscaleConfig, list[ScaleDecision]]):
+def test_same_inputs_same_decisions(run: Run):
     config, decisions = run
     replayed_state = ScaleState()
     for decision in decisions:
