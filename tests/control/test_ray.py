@@ -282,9 +282,9 @@ async def test_a_replica_that_does_not_fit_is_refused_and_leaves_nothing(
     # 400 MB after the placement group was not ready in time (no single device has room).
     with pytest.raises(PlacementRefused, match=r"the cluster is full: needs .*gpu_mem_mb 950"):
         await workers.start_replica(spec("too-big", 950), changes)
-    workers.place_timeout_s = 3  # short: no node can ever hold it, however long it waits
+    workers.place_timeout_s = 1  # short: no node can ever hold it, however long it waits
     with pytest.raises(
-        PlacementRefused, match=r"no node had room for .*gpu_mem_mb 400, .* within 3s"
+        PlacementRefused, match=r"no node had room for .*gpu_mem_mb 400, .* within 1s"
     ):
         await workers.start_replica(spec("no-room", 400), changes)
     workers.place_timeout_s = DEADLINE_S
