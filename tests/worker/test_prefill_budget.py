@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.procs import DEADLINE_S
+from tidegate.control.explain import format_batching
 from tidegate.core.fairness import FairnessConfig
 from tidegate.core.queue import QueueConfig
 from tidegate.engines.base import ModelCard, SamplingParams, TokenEvent
@@ -367,3 +368,32 @@ async def _interleave(
     assert len(client.ended) == len(names)
     assert (seqs.prefilling_tokens, seqs.num_running, seqs.cached_tokens) == (0, 0, 0)
     assert len(seqs.queue) == 0
+
+
+@pytest.mark.asyncio
+async def test_stats_and_explain_say_what_held_the_sequences() -> None:
+    """b waits for a's prefill (the budget), then d for a slot: /stats' batching counts each
+    sequence once per reason however often the scheduler looks, and explain prints it."""
+    engine = GatedEngine()
+    seqs = scheduler(engine, budget=100, max_num_seqs=2)
+    client = Client(seqs)
+    client.send("a", 80)
+    client.send("b", 40)
+    await quiesce()
+    client.send("c", 1)  # looks again: b is still the head held by the budget
+    await quiesce()
+    assert seqs.describe()["held_by"] == {"prefill_budget": 1}
+    engine.first["a"].set()  # b joins: 2 of 2 running, c waits for a slot
+    await quiesce()
+    client.send("d", 1)
+    await quiesce()
+    described = seqs.describe()
+    assert described["held_by"] == {"prefill_budget": 1, "slots": 1}
+    assert described["last_held_by"] == "slots"
+    assert (described["running"], described["prefilling_tokens"]) == (2, 40)
+    text = format_batching("chat", [("chat-0", described)])
+    assert "chat-0: 2 of 2 sequences running, prefill budget 100 tokens (40 admitted" in text
+    assert "held at the head by: prefill_budget 1, slots 1; last: slots" in text
+    engine.release("a", "b", "c", "d")
+    await client.join()
+    assert client.ended == dict.fromkeys("abcd", "completed")

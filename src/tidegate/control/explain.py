@@ -78,8 +78,8 @@ def format_tenants(model: str, described: dict[str, Any]) -> str:
 def fetch_batching(url: str, key: str | None, model: str) -> list[tuple[str, dict[str, Any]]]:
     """Each ready replica of ``model``: its id and the ``batching`` section of its /stats
     (the adaptive cap and windows now, why its batches left). A replica that does not answer
-    is listed with ``{"error": ...}``; one with no batching section (a generation model, a
-    vLLM upstream) is left out."""
+    is listed with ``{"error": ...}``; one with no batching section (a vLLM upstream) is
+    left out."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     response = httpx.get(f"{url.rstrip('/')}/admin/replicas", headers=headers, timeout=10)
     response.raise_for_status()
@@ -103,6 +103,9 @@ def format_batching(model: str, replicas: list[tuple[str, dict[str, Any]]]) -> s
     for replica_id, batching in replicas:
         if "error" in batching:
             lines.append(f"  {replica_id}: {batching['error']}")
+            continue
+        if batching.get("kind") == "sequences":
+            lines += _sequence_lines(replica_id, batching)
             continue
         reasons = ", ".join(f"{k} {v}" for k, v in batching.get("releases_by_reason", {}).items())
         windows = "/".join(f"{w:g}" for w in batching.get("window_ms_by_level", []))
@@ -133,6 +136,28 @@ def format_batching(model: str, replicas: list[tuple[str, dict[str, Any]]]) -> s
                 f"bounds {cap.get('bounds')}; decisions: {decisions or 'none yet'}"
             )
     return "\n".join(lines)
+
+
+def _sequence_lines(replica_id: str, batching: dict[str, Any]) -> list[str]:
+    """A generation replica: its bounds now, and what held the sequences that waited."""
+    budget = batching.get("max_prefill_tokens") or 0
+    line = (
+        f"  {replica_id}: {batching.get('running')} of {batching.get('max_num_seqs')} "
+        f"sequences running"
+    )
+    if budget:
+        line += (
+            f", prefill budget {budget} tokens ({batching.get('prefilling_tokens')} "
+            "admitted, not yet prefilled)"
+        )
+    if batching.get("fair_sharing"):
+        line += ", fair queue by tenant"
+    held = ", ".join(f"{k} {v}" for k, v in batching.get("held_by", {}).items())
+    return [
+        line,
+        f"    sequences held at the head by: {held or 'none yet'}; last: "
+        f"{batching.get('last_held_by') or 'none'}",
+    ]
 
 
 def fetch_failure(url: str, exc: httpx.HTTPError, key_given: bool) -> str:

@@ -627,6 +627,8 @@ def _stats(worker: Worker) -> dict[str, Any]:
             "prefilling_tokens": q.prefilling_tokens,
             "fair_sharing": q.queue.fair is not None,
             "tenants": q.queue.tenants(),  # {} without fair sharing
+            # what bounds the sequences now and why they waited (tidegate explain)
+            "batching": q.describe(),
         }
     return base | {"queued": 0, "in_flight": 0, "running": 0, "slots": 0}
 

@@ -36,6 +36,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tidegate.clock import SYSTEM_CLOCK, Clock
 from tidegate.core.batch_adapt import BatchPlanner, CapConfig
@@ -243,6 +244,8 @@ class SequenceScheduler:
         self._prompt_tokens: dict[str, int] = {}  # waiting sequences: their prompt's tokens
         self._prefilling: dict[str, int] = {}  # running, before their first token: the same
         self.failure: BaseException | None = None  # set by fail(): the engine is gone
+        self.holds: dict[str, int] = {}  # sequences that waited at the head, by reason
+        self._last_hold: tuple[str, str] | None = None  # (seq_id, reason) last counted
 
     @property
     def slots(self) -> int:
@@ -370,8 +373,15 @@ class SequenceScheduler:
                 # now (a pick would charge its tenant), and its waiter finds it gone.
                 self.queue.cancel(heads[0].id)
                 continue
-            if not heads or not (self._fits(heads[0]) and self._prefill_fits(heads[0])):
+            if not heads:
+                self._hold("", "slot_reserve")
+                break
+            if not self._fits(heads[0]):
+                self._hold(heads[0].id, "cache_room")
                 break  # it waits for room: a smaller, less urgent one must not overtake it
+            if not self._prefill_fits(heads[0]):
+                self._hold(heads[0].id, "prefill_budget")
+                break  # likewise
             (request,) = self.queue.pop(1, now)
             granted = self._granted.pop(request.id)
             prompt_tokens = self._prompt_tokens.pop(request.id)
@@ -381,3 +391,30 @@ class SequenceScheduler:
             self.prefilling_tokens += prompt_tokens
             self.metrics.batch_size.labels(self.engine.card.name).observe(self.num_running)
             granted.set_result(None)
+        else:
+            if len(self.queue):
+                (head,) = self.queue.peek(1, now) or (None,)
+                if head is not None:
+                    self._hold(head.id, "slots")
+
+    def _hold(self, seq_id: str, reason: str) -> None:
+        """The head ``seq_id`` waits, for ``reason``: counted once per sequence and reason."""
+        if self._last_hold != (seq_id, reason):
+            self._last_hold = (seq_id, reason)
+            self.holds[reason] = self.holds.get(reason, 0) + 1
+
+    def describe(self) -> dict[str, Any]:
+        """What the scheduler bounds now and why sequences waited (``/stats``' batching)."""
+        return {
+            "kind": "sequences",
+            "max_num_seqs": self.max_num_seqs,
+            "running": self.num_running,
+            "max_prefill_tokens": self.max_prefill_tokens,  # 0: no bound
+            "prefilling_tokens": self.prefilling_tokens,
+            "cached_tokens": self.cached_tokens,
+            "fair_sharing": self.queue.fair is not None,
+            # sequences that waited at the head, by what held them: a slot, the KV cache's
+            # room, the prefill budget, or a fair queue's slot reserve
+            "held_by": dict(self.holds),
+            "last_held_by": self._last_hold[1] if self._last_hold else None,
+        }
