@@ -28,6 +28,7 @@ from tests.worker.test_engine_failure import (
 from tidegate.worker.runtime import WorkerSettings
 
 EMBED = {"model": "minilm", "input": ["tide", "gate"], "encoding_format": "base64"}
+SIMULATED = ("--model", "emb", "--engine", "simulated", "--task", "embeddings")
 
 
 def engine_process(worker: Proc) -> int:
@@ -72,11 +73,13 @@ async def test_a_killed_engine_process_fails_what_it_held_and_the_worker_for_goo
 def test_a_worker_whose_engine_process_is_killed_exits_1_and_says_why(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
+    # The simulated engine in the engine process: how the worker learns of its death and
+    # exits is the same for any engine (the SIGTERM test below keeps the real model).
     with (
-        worker_process("--model", "minilm", "--engine-process") as worker,
+        worker_process(*SIMULATED, "--engine-process") as worker,
         httpx.Client(base_url=worker.url, timeout=60) as http,
     ):
-        answer = http.post("/v1/embeddings", json=EMBED)
+        answer = http.post("/v1/embeddings", json={**EMBED, "model": "emb"})
         assert answer.status_code == 200, answer.text
         assert len(answer.json()["data"]) == 2
         os.kill(engine_process(worker), signal.SIGKILL)
@@ -102,8 +105,7 @@ def test_sigterm_stops_the_worker_and_its_engine_process_cleanly(
 
 @pytest.mark.e2e
 def test_the_engine_process_does_not_outlive_a_killed_worker() -> None:
-    args = ("--model", "emb", "--engine", "simulated", "--task", "embeddings")
-    with worker_process(*args, "--engine-process") as worker:
+    with worker_process(*SIMULATED, "--engine-process") as worker:
         child = engine_process(worker)
         worker.process.kill()  # the worker alone: nobody closes the engine process
         worker.process.wait(timeout=60)
