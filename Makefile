@@ -56,7 +56,7 @@ system-packages:
 # files since 3b81100 and its real-model sweep is smaller: on a quiet machine 1537 tests took
 # 736 s before, and a clean clone's `.ci/run` at 77f5d5a passed 1588 tests in 636 s (12m17s
 # in all, install and lint included).
-PYTEST_ARGS ?= -q -n 3 --dist loadfile --no-loadscope-reorder
+PYTEST_ARGS ?= -q -n 3 --dist loadfile
 
 unit: $(VENV)/.installed-dev system-packages
 	$(BIN)/pytest $(PYTEST_ARGS)
