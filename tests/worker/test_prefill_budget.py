@@ -393,7 +393,7 @@ async def test_stats_and_explain_say_what_held_the_sequences() -> None:
     assert (described["running"], described["prefilling_tokens"]) == (2, 40)
     text = format_batching("chat", [("chat-0", described)])
     assert "chat-0: 2 of 2 sequences running, prefill budget 100 tokens (40 admitted" in text
-    assert "held at the head by: prefill_budget 1, slots 1; last: slots" in text
+    assert "by what held them: prefill_budget 1, slots 1; last: slots" in text
     engine.release("a", "b", "c", "d")
     await client.join()
     assert client.ended == dict.fromkeys("abcd", "completed")

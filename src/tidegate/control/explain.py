@@ -155,7 +155,7 @@ def _sequence_lines(replica_id: str, batching: dict[str, Any]) -> list[str]:
     held = ", ".join(f"{k} {v}" for k, v in batching.get("held_by", {}).items())
     return [
         line,
-        f"    sequences held at the head by: {held or 'none yet'}; last: "
+        f"    sequences that waited, by what held them: {held or 'none yet'}; last: "
         f"{batching.get('last_held_by') or 'none'}",
     ]
 

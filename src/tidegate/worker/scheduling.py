@@ -244,7 +244,7 @@ class SequenceScheduler:
         self._prompt_tokens: dict[str, int] = {}  # waiting sequences: their prompt's tokens
         self._prefilling: dict[str, int] = {}  # running, before their first token: the same
         self.failure: BaseException | None = None  # set by fail(): the engine is gone
-        self.holds: dict[str, int] = {}  # sequences that waited at the head, by reason
+        self.holds: dict[str, int] = {}  # sequences that waited, by what held them
         self._last_hold: tuple[str, str] | None = None  # (seq_id, reason) last counted
 
     @property
@@ -281,6 +281,9 @@ class SequenceScheduler:
         self._granted[seq_id] = granted
         self._prompt_tokens[seq_id] = len(prompt_ids)
         self._fill_slots()
+        if not granted.done() and self.num_running >= self.max_num_seqs:
+            self._hold(seq_id, "slots")  # it came with every slot taken (counted here, once:
+            # not by _fill_slots, which runs at every release and first token)
         try:
             await granted
         except BaseException:
@@ -391,11 +394,6 @@ class SequenceScheduler:
             self.prefilling_tokens += prompt_tokens
             self.metrics.batch_size.labels(self.engine.card.name).observe(self.num_running)
             granted.set_result(None)
-        else:
-            if len(self.queue):
-                (head,) = self.queue.peek(1, now) or (None,)
-                if head is not None:
-                    self._hold(head.id, "slots")
 
     def _hold(self, seq_id: str, reason: str) -> None:
         """The head ``seq_id`` waits, for ``reason``: counted once per sequence and reason."""
@@ -413,8 +411,8 @@ class SequenceScheduler:
             "prefilling_tokens": self.prefilling_tokens,
             "cached_tokens": self.cached_tokens,
             "fair_sharing": self.queue.fair is not None,
-            # sequences that waited at the head, by what held them: a slot, the KV cache's
-            # room, the prefill budget, or a fair queue's slot reserve
+            # sequences that waited, by what held them: every slot taken when they came,
+            # or, at the head, the KV cache's room, the prefill budget, a fair queue's reserve
             "held_by": dict(self.holds),
             "last_held_by": self._last_hold[1] if self._last_hold else None,
         }
