@@ -410,6 +410,93 @@ def test_batch_pick_respects_the_reserve_as_single_picks_do() -> None:
     assert [r.id for r in batch.pop(8, 12.0)] == pop_ids(single, 8, now=12.0) == expected
 
 
+PREEMPT = FairnessConfig(lag_tokens=0.0, reserve_fraction=0.0, preemption=True)
+
+
+def test_preemption_takes_a_slot_from_the_tenant_over_its_share() -> None:
+    """4 slots, heavy took them all alone; light arrives with none free: its request may
+    pause one of heavy's (2 over its share of 2). Light's second too (1 held, under 2); a
+    third no more (light at its share)."""
+    queue = fair_queue(fairness=PREEMPT)
+    queue.set_slots(4)
+    admit_all(queue, [treq(f"h{i}", "heavy", at=i) for i in range(6)], now=6)
+    assert len(queue.pop(4, 6.0)) == 4  # (the caller bounds the slots: it picks no more)
+    admit_all(queue, [treq(f"l{i}", "light", at=10 + i) for i in range(3)], now=12)
+    taken = queue.preempt(12.0)
+    assert taken is not None
+    assert (taken[0].id, taken[1]) == ("l0", "heavy")
+    taken = queue.preempt(12.0)
+    assert taken is not None
+    assert (taken[0].id, taken[1]) == ("l1", "heavy")
+    assert queue.preempt(12.0) is None  # light holds its share of 2
+    assert queue.tenants()["light"]["in_flight"] == 2
+    assert queue.tenants()["heavy"]["in_flight"] == 4  # paused ones still count as heavy's
+
+
+@pytest.mark.parametrize(
+    ("config", "free", "why"),
+    [
+        (FairnessConfig(lag_tokens=0.0, reserve_fraction=0.0), 0, "preemption off"),
+        (PREEMPT, 1, "a slot is free"),
+    ],
+)
+def test_no_preemption_when_off_or_a_slot_is_free(
+    config: FairnessConfig, free: int, why: str
+) -> None:
+    queue = fair_queue(fairness=config)
+    queue.set_slots(4)
+    admit_all(queue, [treq(f"h{i}", "heavy", at=i) for i in range(4 - free)], now=4)
+    queue.pop(4, 4.0)
+    admit_all(queue, [treq("l0", "light", at=5)], now=5)
+    assert queue.preempt(5.0) is None, why
+    assert "l0" in queue
+
+
+def test_preemption_picks_the_most_urgent_level_and_only_served_levels() -> None:
+    queue = fair_queue(fairness=PREEMPT)
+    queue.set_slots(2)
+    admit_all(queue, [treq("h0", "heavy", at=0), treq("h1", "heavy", at=1)], now=1)
+    queue.pop(2, 1.0)
+    admit_all(queue, [treq("l1", "light", at=2, level=1), treq("l0", "light", at=3)], now=3)
+    assert queue.preempt(3.0, levels={1}) is not None  # level 0 not served there: l1
+    assert "l0" in queue
+    assert "l1" not in queue
+
+
+def test_a_tenant_alone_never_preempts_itself() -> None:
+    queue = fair_queue(fairness=PREEMPT)
+    queue.set_slots(2)
+    admit_all(queue, [treq(f"h{i}", "heavy", at=i) for i in range(4)], now=4)
+    queue.pop(2, 4.0)
+    assert queue.preempt(4.0) is None
+
+
+def test_take_picks_one_request_out_of_order() -> None:
+    queue = fair_queue(fairness=PREEMPT)
+    queue.set_slots(4)
+    admit_all(queue, [treq("h0", "heavy", at=0, tokens=5), treq("l0", "light", at=1)], now=1)
+    taken = queue.take("l0")
+    assert taken is not None
+    assert taken.id == "l0"
+    assert queue.take("l0") is None
+    assert queue.tenants()["light"]["in_flight"] == 1
+    assert queue.tenants()["light"]["counter"] == 1
+    assert [r.id for r in queue.pop(2, 1.0)] == ["h0"]
+
+
+def test_victim_is_the_tenant_most_over_its_share() -> None:
+    fair = VirtualTokenCounters(PREEMPT)
+    fair.slots = 6
+    for tenant, held in (("a", 4), ("b", 2)):
+        for _ in range(held):
+            fair.occupy(tenant)
+    fair.arrive("c")  # share 2 each: a is 2 over, b at its share
+    assert fair.victim("c") == "a"
+    assert fair.victim("a") is None  # over its own share: it may not preempt
+    fair.vacate("a")  # a slot free: nobody preempts
+    assert fair.victim("c") is None
+
+
 def test_full_level_sheds_the_flooding_tenant() -> None:
     queue = fair_queue(max_size=4)
     admit_all(queue, [treq(f"heavy{i}", "heavy", at=i) for i in range(4)])

@@ -40,6 +40,18 @@ above are unchanged. It costs at most reserve / slots of the model, and only whi
 tenant (or every active tenant at its share) fills it; a newcomer's first request starts at
 once.
 
+Preemption (``preemption`` on). The reserve keeps a slot or two; a newcomer's burst beyond
+them still waits for a decode to end, however far under its share it is. With preemption, when
+no slot is free and a waiting tenant is under its slot share while another is over its own,
+the waiting one's next request may take a slot from the one over it (``victim``: the tenant
+most slots above its share): the caller sends it to a replica holding the victim's requests
+and that replica pauses one of them, which resumes there when a slot frees (vLLM's priority
+preemption, by tenant standing instead of priority). The paused request still counts as its
+tenant's (the caller's ``occupy`` is not undone): the slots held may exceed ``slots`` by the
+preemptions not yet resumed, which keeps the victim over its share and no new pick past the
+slots until they resume. Each preemption costs the paused request its recomputation (prompt
+and the tokens it had made) and nothing more.
+
 Pure: no clock, no I/O. Counters of tenants that are neither backlogged nor above the lift
 floor are forgotten (they would be lifted to the floor anyway), so memory follows the
 number of active tenants, not of every tenant ever seen.
@@ -66,6 +78,8 @@ class FairnessConfig:
     shares: tuple[tuple[str, float], ...] = field(default=())
     # of the model's slots, the last free ones held for a tenant under its slot share
     reserve_fraction: float = 0.03125  # 1/32: 2 of 64 (bench_fairness)
+    # with no slot free, a tenant under its slot share may pause one of a tenant over its own
+    preemption: bool = False
 
     def __post_init__(self) -> None:
         if self.input_weight < 0 or self.output_weight < 0:
@@ -240,6 +254,29 @@ class VirtualTokenCounters:
         if not reserve or self._slots - self._num_held - extra_total > reserve:
             return True
         return self._held.get(tenant, 0) + extra < self.slot_share(tenant)
+
+    def victim(self, tenant: str) -> str | None:
+        """With preemption on and no slot free: the tenant one of whose requests ``tenant``'s
+        next one may pause (module docstring), the one most slots over its slot share (ties:
+        the larger counter, then the name); None when ``tenant`` is not under its own share,
+        a slot is free, or no other tenant is over its share."""
+        slots = self._slots
+        if not self._config.preemption or not slots or self._num_held < slots:
+            return None
+        if self.slot_standing(tenant) >= 0:
+            return None
+        best: str | None = None
+        best_key: tuple[float, float, str] | None = None
+        for other, held in self._held.items():
+            if other == tenant:
+                continue
+            over = held - self.slot_share(other)
+            if over <= 0:
+                continue
+            key = (-over, -self.counter(other), other)
+            if best_key is None or key < best_key:
+                best, best_key = other, key
+        return best
 
     # ------------------------------------------------------------------ charging
     def charge(self, tenant: str, weighted_tokens: float) -> None:

@@ -524,6 +524,63 @@ class WaitQueue:
             self._front(level)
         return tuple(entry.request for entry in chosen)
 
+    def preempt(
+        self, now: float, levels: Iterable[int] | None = None
+    ) -> tuple[Request, str] | None:
+        """Fair sharing with preemption, no slot free (core.fairness ``victim``): remove and
+        return the request that may take a slot by pausing one of another tenant's, with
+        that tenant; None when none may. The most urgent level (of ``levels``, at its own
+        level: aging does not preempt) where a tenant under its slot share waits, its
+        least-served such tenant's oldest request; charged and holding a slot, as ``pop``."""
+        fair = self.fair
+        if fair is None or not fair.config.preemption or not len(self._live):
+            return None
+        served = None if levels is None else _as_set(levels)
+        counter = fair.counter
+        for level in range(len(self._fifos)):
+            if not self._depths[level] or (served is not None and level not in served):
+                continue
+            fifos = self._tenant_fifos[level]
+            heads = (
+                {self._sole[level]: self._front(level)}
+                if fifos is None
+                else {tenant: tenant_fifo[0] for tenant, tenant_fifo in fifos.items()}
+            )
+            best: tuple[float, float, int] | None = None
+            choice: tuple[_Entry, str] | None = None
+            for tenant, head in heads.items():
+                if head is None:
+                    continue
+                victim = fair.victim(tenant)
+                if victim is None:
+                    continue
+                key = (counter(tenant), head.request.arrival_at, head.seq)
+                if best is None or key < best:
+                    best, choice = key, (head, victim)
+            if choice is not None:
+                entry, victim = choice
+                self._take(entry)
+                return entry.request, victim
+        return None
+
+    def take(self, request_id: str) -> Request | None:
+        """Remove a queued request as a pick of it alone (charged and holding a slot with
+        fair sharing, counted dispatched); None when it is not queued. For a worker that
+        gives a request the slot a preemption freed (core.fairness), whatever the order."""
+        entry = self._live.get(request_id)
+        if entry is None:
+            return None
+        self._take(entry)
+        return entry.request
+
+    def _take(self, entry: _Entry) -> None:
+        if self.fair is not None:
+            self.fair.picked(entry.request.tenant, entry.request.cost_tokens)
+        self._remove(entry)
+        level = entry.request.priority
+        self._tally[level][_DISPATCHED] += 1
+        self._front(level)
+
     def cancel(self, request_id: str) -> Request | None:
         """Remove a queued request in O(1); None when it is not queued (any more)."""
         entry = self._live.get(request_id)
