@@ -21,7 +21,15 @@ Mirrors ``tidegate.gateway.dispatcher`` step by step, with the kernel's clock:
   (``set_slots``: fair sharing's slot shares), as the dispatcher does;
 - prefix affinity (``affinity`` set, ``core.prefix``): ``pick_replica`` gets the ticket's
   ``prefix_key`` (the leading blocks of its prompt), as the dispatcher passes the key the
-  gateway computed from the request.
+  gateway computed from the request;
+- preemption (fair sharing's ``preemption`` on, core.fairness): when a dispatch finds no free
+  slot, ``WaitQueue.preempt`` gives each request that may pause one of another tenant's (the
+  victim); it goes, with ``Ticket.preempt`` = the victim, to the ready replica serving its
+  level that holds the most of the victim's requests in flight (ties: the first in the
+  views' order), whose in-flight may then exceed its slots; with none holding any, it is
+  requeued and preemption stops until the next dispatch. The worker pauses one of the
+  victim's sequences for it (``sim.workers``); the paused one stays in flight on that
+  replica and is released when it completes there, as any other.
 
 One difference of form, not of decision: where several slots are free, the requests are
 popped together (``pop(n)``) when ``n`` successive single pops could not see a different
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -52,7 +61,10 @@ class Ticket:
         "dispatched_at",
         "first_at",
         "klass",
+        "local",
+        "made_tokens",
         "output_tokens",
+        "preempt",
         "prefix_key",
         "prompt_tokens",
         "replica",
@@ -77,6 +89,15 @@ class Ticket:
         self.dispatched_at = 0.0
         self.first_at = -1.0  # generation: when the first token came back
         self.replica: str = ""
+        self.preempt = ""  # sent to pause one of this tenant's sequences (""): none
+        self.local: Request = request  # as the worker's queue knows it, once it got there
+        # generation: output tokens made; a paused sequence prefills its prompt and these again
+        self.made_tokens = 0
+
+    @property
+    def prefill_tokens(self) -> int:
+        """What its (next) prefill computes: the prompt, and the tokens made before a pause."""
+        return self.prompt_tokens + self.made_tokens
 
 
 class Replicas(Protocol):
@@ -120,6 +141,13 @@ class SimGateway:
         # Fair sharing's slot shares (core.fairness); False: the counters alone, as before
         # them (a benchmark's side-by-side; the gateway always bounds them).
         self.slot_shares = True
+        # Preemption: each replica's requests in flight by tenant (replica -> tenant -> count);
+        # None: preemption off, nothing counted.
+        fairness = queue.fairness
+        self._tenants_on: dict[str, Counter[str]] | None = (
+            defaultdict(Counter) if fairness is not None and fairness.preemption else None
+        )
+        self.num_preempts = 0  # requests sent to pause one of another tenant's
 
     # ------------------------------------------------------------------ requests
     def submit(self, ticket: Ticket) -> None:
@@ -158,6 +186,7 @@ class SimGateway:
         When ``completed``, their tokens settle their tenants' counters.
         """
         self.replicas.free(replica_id, len(tickets))
+        self._left(replica_id, tickets)
         queue = self.queue
         if completed:
             queue.drain.record(self.kernel.time, len(tickets))
@@ -172,9 +201,11 @@ class SimGateway:
         """Dispatched requests that had not started go back in front of their levels."""
         now = self.kernel.time
         self.replicas.free(replica_id, len(tickets))
+        self._left(replica_id, tickets)
         for ticket in tickets:
             request = dataclasses.replace(ticket.request, attempt=ticket.request.attempt + 1)
             ticket.request = request
+            ticket.preempt = ""
             self.queue.requeue(request, now)
             self.tickets[request.id] = ticket
         self.dispatch(now)
@@ -227,6 +258,8 @@ class SimGateway:
         while len(queue):
             levels = servable_levels(views.values(), pools)
             if not levels:
+                if self._tenants_on is not None:
+                    self._preempt(now)
                 return levels
             batch = self._safe_batch() if len(queue) > 1 else 1
             popped = queue.pop(batch, now, levels=levels)
@@ -250,8 +283,53 @@ class SimGateway:
                 assert view is not None  # a servable level has an eligible replica
                 ticket.dispatched_at = now
                 ticket.replica = view.id
+                if self._tenants_on is not None:
+                    self._tenants_on[view.id][request.tenant] += 1
                 occupy(view.id, ticket)
         return levels
+
+    def _preempt(self, now: float) -> None:
+        """No slot free: send each request that may pause one of another tenant's to the
+        replica holding most of that tenant's requests (module docstring)."""
+        queue = self.queue
+        tenants_on = self._tenants_on
+        assert tenants_on is not None
+        while (taken := queue.preempt(now)) is not None:
+            request, victim = taken
+            ticket = self.tickets.pop(request.id)
+            level = request.priority
+            best: ReplicaView | None = None
+            most = 0
+            for view in self.replicas.views.values():
+                pool = self.pools.get(view.pool)
+                if not view.ready or pool is None or level not in pool.priorities:
+                    continue
+                held = tenants_on[view.id][victim]
+                if held > most:  # ties: the first in the views' order
+                    best, most = view, held
+            if best is None:  # none of the victim's where it could go: wait for a slot
+                queue.requeue(request, now)
+                self.tickets[request.id] = ticket
+                return
+            self.num_dispatched += 1
+            self.num_preempts += 1
+            ticket.dispatched_at = now
+            ticket.replica = best.id
+            ticket.preempt = victim
+            tenants_on[best.id][request.tenant] += 1
+            self.replicas.occupy(best.id, ticket)
+
+    def _left(self, replica_id: str, tickets: Sequence[Ticket]) -> None:
+        """``tickets`` are no longer in flight on ``replica_id`` (preemption's count)."""
+        tenants_on = self._tenants_on
+        if tenants_on is None:
+            return
+        on = tenants_on[replica_id]
+        for ticket in tickets:
+            tenant = ticket.request.tenant
+            on[tenant] -= 1
+            if not on[tenant]:
+                del on[tenant]
 
     def _arm_for_aging(self, levels: frozenset[int]) -> None:
         """An earlier timer when a queued request ages into ``levels`` sooner (dispatcher's

@@ -121,6 +121,10 @@ class Recorder:
         # a simulated prefix cache: prompt blocks prefilled, and of them the cached ones
         self.cache_blocks = 0
         self.cache_hit_blocks = 0
+        # fair sharing's preemption (generation), per replica: sequences paused for another
+        # tenant's, and the tokens resumed ones prefilled again (prompt + tokens made)
+        self.preempted: defaultdict[str, int] = defaultdict(int)
+        self.recomputed_tokens: defaultdict[str, int] = defaultdict(int)
 
     def class_index(self, name: str) -> int:
         for index, stats in enumerate(self.classes):

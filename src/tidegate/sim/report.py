@@ -13,7 +13,9 @@ step), replica-hours and GPU-hours (replica-hours x GPUs per replica), the queue
 over time, and ``stopped``: why requests were left queued, or null. With a simulated prefix
 cache (``Scenario.prefix_cache``), ``overall.prefix_cache``: prompt blocks prefilled, of them
 cached, the hit rate, and the replicas' shares of the span busy (engine running any step)
-and prefilling (steps in which sequences joined): the mean and the max over replicas.
+and prefilling (steps in which sequences joined): the mean and the max over replicas. Where
+fair sharing's preemption paused sequences, ``overall.preemption``: how many were paused, and
+the tokens the resumed ones prefilled again (their prompts and the tokens they had made).
 
 ``warnings`` (in the report, report.md and the terminal table) say where a comparison
 shows less than it seems: every request at one priority level (priority and fifo then
@@ -90,6 +92,11 @@ def run_summary(result: RunResult) -> dict[str, Any]:
     }
     if scenario.prefix_cache is not None:
         overall["prefix_cache"] = prefix_cache_summary(result, span_s)
+    if recorder.preempted:
+        overall["preemption"] = {
+            "preempted": sum(recorder.preempted.values()),
+            "recomputed_tokens": sum(recorder.recomputed_tokens.values()),
+        }
     return {
         "policy": result.label,
         "gateway_policy": scenario.config.policy,

@@ -18,6 +18,18 @@
   while the prompts granted and not yet prefilled stay within it, so the rest wait in the
   queue, where fair sharing (the tenant's counters, when the worker's queue has them) and
   priority still order them, instead of in the engine's next prefill.
+- Preemption (fair sharing's, core.fairness): a ticket that comes with ``preempt`` = a
+  tenant V is queued as any; if V has a running sequence here (joining, prefilling or
+  decoding, not already being paused), the one of V's that has made the fewest tokens (ties:
+  the latest granted) gives its slot to the ticket at once (``WaitQueue.take``: it joins at
+  the next step) and goes back to the queue (``WaitQueue.requeue``: refunded and vacated in
+  a fair queue, its arrival kept): one still joining leaves at once, having made nothing; one
+  in the engine leaves at the end of the step in progress (it makes that step's token, or
+  ends with it). It keeps the tokens it made: given a slot again it prefills its prompt and
+  them (recompute, ``recomputed_tokens``), then decodes only the rest, and its first token
+  is not sent again. Until then the replica runs one sequence over ``max_num_seqs``. With no
+  running sequence of V's here the ticket waits in the queue like any. ``BatchWorker``s
+  never preempt: a ticket sent to preempt there is just queued.
 
 The engine is not stepped token by token: between two changes of its running set every
 step lasts the same, so one event covers a whole run of steps, up to the first sequence to
@@ -97,6 +109,7 @@ class _LocalQueue:
         if isinstance(self.queue.admit(local, now), Rejected):
             self.sink.refused(self.replica_id, ticket)
             return False
+        ticket.local = local
         self.tickets[request.id] = ticket
         return True
 
@@ -210,12 +223,96 @@ class SequenceWorker(_LocalQueue):
         self.step_s = 0.0  # how long each of its steps lasts
         self.boundary_at: float | None = None  # end of the run (None: the engine is idle)
         self.boundary_step = 0
+        self.pausing: list[Ticket] = []  # preempted: leave the engine at the step's end
+        self.num_preempted = 0  # sequences paused for another tenant's (the /stats count)
+        self.recomputed_tokens = 0  # prefilled again by resumed sequences: prompt + made
 
     def submit(self, ticket: Ticket) -> None:
         now = self.kernel.time
         cost = ticket.prompt_tokens + ticket.output_tokens
-        if self._admit(ticket, cost, now) and self._fill_slots(now):
+        victim = ticket.preempt
+        ticket.preempt = ""
+        if not self._admit(ticket, cost, now):
+            return
+        preempted = bool(victim) and self._preempt(ticket, victim, now)
+        if self._fill_slots(now) or preempted:
             self._wake_engine(now)
+
+    # ------------------------------------------------------------------ preemption
+    def _preempt(self, ticket: Ticket, victim: str, now: float) -> bool:
+        """Pause a running sequence of ``victim``'s for ``ticket`` (module docstring); True
+        if one was, and ``ticket`` took its slot."""
+        paused = self._pick_paused(victim, now)
+        if paused is None:
+            return False
+        taken = self.queue.take(ticket.request.id)
+        assert taken is not None
+        self.joining.append(self.tickets.pop(taken.id))
+        self.pending_prefill += ticket.prefill_tokens
+        self.num_running += 1
+        if paused in self.joining:  # not in the engine yet: it leaves at once
+            self.joining.remove(paused)
+            self.pending_prefill -= paused.prefill_tokens
+            self._requeue_paused([paused], now)
+        else:
+            self.pausing.append(paused)
+        return True
+
+    def _pick_paused(self, tenant: str, now: float) -> Ticket | None:
+        """``tenant``'s running sequence that has made the fewest tokens; ties: the latest
+        granted (the decoding ones were granted before the prefilling, those before the
+        joining); None when it has none running (or all are being paused already)."""
+        pausing = self.pausing
+        steps = self._steps_done(now)
+        found = [
+            (ticket.output_tokens - (last - steps), 0, order, ticket)
+            for last, order, ticket in self.decoding
+            if ticket.request.tenant == tenant and ticket not in pausing
+        ]
+        for phase, tickets in ((1, self.prefilling), (2, self.joining)):
+            found += [
+                (ticket.made_tokens, phase, index, ticket)
+                for index, ticket in enumerate(tickets)
+                if ticket.request.tenant == tenant and ticket not in pausing
+            ]
+        if not found:
+            return None
+        return min(found, key=lambda item: (item[0], -item[1], -item[2]))[3]
+
+    def _steps_done(self, now: float) -> int:
+        """Engine steps completed by ``now`` (a step in progress does not count)."""
+        if self.boundary_at is None or self.prefilling or self.step_s <= 0:
+            return self.step_index
+        elapsed = int((now - self.run_at) / self.step_s)
+        return min(self.boundary_step, self.step_index + elapsed)
+
+    def _pause(self, step: int, done: list[Ticket], now: float) -> bool:
+        """At a step's end: the sequences being paused leave the engine with the tokens made
+        (those that ended with this step just end); True if any left."""
+        pausing = [ticket for ticket in self.pausing if ticket not in done]
+        self.pausing = []
+        if not pausing:
+            return False
+        kept = []
+        for entry in self.decoding:
+            last, _, ticket = entry
+            if ticket in pausing:
+                ticket.made_tokens = ticket.output_tokens - (last - step)
+            else:
+                kept.append(entry)
+        heapq.heapify(kept)
+        self.decoding = kept
+        self._requeue_paused(pausing, now)
+        return True
+
+    def _requeue_paused(self, paused: list[Ticket], now: float) -> None:
+        """Paused sequences back in the queue, ahead of later arrivals in their levels."""
+        self.num_running -= len(paused)
+        self.num_preempted += len(paused)
+        self.recorder.preempted[self.replica_id] += len(paused)
+        for ticket in paused:
+            self.queue.requeue(ticket.local, now)
+            self.tickets[ticket.request.id] = ticket
 
     def _fill_slots(self, now: float) -> bool:
         """Grant free slots to the most urgent waiting sequences; True if any joined."""
@@ -229,7 +326,7 @@ class SequenceWorker(_LocalQueue):
             for request in granted:
                 ticket = self.tickets.pop(request.id)
                 self.joining.append(ticket)
-                tokens += ticket.prompt_tokens
+                tokens += ticket.prefill_tokens
             self.pending_prefill += tokens
             self.num_running += len(granted)
             return True
@@ -240,7 +337,7 @@ class SequenceWorker(_LocalQueue):
         joined = 0
         while joined < free and len(queue):
             (head,) = queue.peek(1, now)
-            tokens = tickets[head.id].prompt_tokens
+            tokens = tickets[head.id].prefill_tokens
             if self.pending_prefill and self.pending_prefill + tokens > budget:
                 break
             queue.pop(1, now)
@@ -276,6 +373,11 @@ class SequenceWorker(_LocalQueue):
                 tokens += ticket.prompt_tokens
         else:
             tokens, extra_s = self._prefill_cost(joiners)
+        for ticket in joiners:
+            if ticket.made_tokens:  # resumed after a pause: its tokens made are prefilled too
+                tokens += ticket.made_tokens
+                self.recomputed_tokens += ticket.prefill_tokens
+                self.recorder.recomputed_tokens[self.replica_id] += ticket.prefill_tokens
         self.run_at = now
         self.step_s = self.service.step_s(num_decode, len(joiners), tokens) + extra_s
         if joiners:
@@ -318,24 +420,29 @@ class SequenceWorker(_LocalQueue):
         self.step_index = step
         done: list[Ticket] = []
         for ticket in self.prefilling:
-            self.pending_prefill -= ticket.prompt_tokens
-            self.sink.first_token(ticket)
-            if ticket.output_tokens <= 1:
+            made = ticket.made_tokens
+            self.pending_prefill -= ticket.prompt_tokens + made
+            if not made:  # else a resumed one: its first token went out before its pause
+                self.sink.first_token(ticket)
+            left = ticket.output_tokens - made
+            if left <= 1:
+                ticket.made_tokens = ticket.output_tokens
                 done.append(ticket)
             else:
                 self._order += 1
-                heapq.heappush(
-                    self.decoding, (step - 1 + ticket.output_tokens, self._order, ticket)
-                )
+                heapq.heappush(self.decoding, (step - 1 + left, self._order, ticket))
         self.prefilling = []
         decoding = self.decoding
         while decoding and decoding[0][0] <= step:
-            done.append(heapq.heappop(decoding)[2])
+            last, _, ticket = heapq.heappop(decoding)
+            ticket.made_tokens = ticket.output_tokens - (last - step)
+            done.append(ticket)
+        paused = bool(self.pausing) and self._pause(step, done, now)
         if done:
             self.num_running -= len(done)
             if self.queue.fair is not None:
                 self._settle(done)
-        if done or self.max_prefill_tokens:
+        if done or paused or self.max_prefill_tokens:
             self._fill_slots(now)  # a slot freed, or the budget: the prefilled left it
         self._start_run(now)
         if done:
@@ -356,6 +463,7 @@ class SequenceWorker(_LocalQueue):
         self._version += 1
         running = self.joining + self.prefilling + [entry[2] for entry in self.decoding]
         self.joining, self.prefilling, self.decoding = [], [], []
+        self.pausing = []
         self.num_running = 0
         self.pending_prefill = 0
         self.boundary_at = None
