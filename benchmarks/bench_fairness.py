@@ -19,9 +19,18 @@ side by side: the order before slot shares.
    slot reserve (``--reserve-fraction``, default the configuration's); the same with the
    workers' prefill budget (``batching.max_prefill_tokens`` = ``--prefill-budget``: a
    sequence joins the engine only while the prompts not yet prefilled stay within it, and
-   the worker's own queue orders the rest by the tenants' counters; the verdicts' run);
-   then one run per ``--reserve-sweep`` fraction, with the budget (rows only). The FIFO
-   runs have no budget (today's default). Latency: end-to-end per request
+   the worker's own queue orders the rest by the tenants' counters); the same with fair
+   sharing's preemption (``FairnessConfig.preemption``: with no slot free, a request of a
+   tenant under its slot share is sent to the replica holding most of the tenant most over
+   its own, which pauses that tenant's running sequence with the fewest tokens; the paused
+   one resumes there later, recomputing its prompt and the tokens it had made), once with
+   no slot reserve and once with the reserve; then one run per ``--reserve-sweep``
+   fraction, with the budget (rows only). The verdicts' run: the first preemption run that
+   meets the targets (light TTFT p99 <= 2x solo, requests/s and output tokens/s within 5%
+   of FIFO), else the budget run without preemption. The FIFO runs have no budget (today's
+   default). A second table gives every VTC run's light tenant figures over solo (TTFT p99,
+   after the warm-up, less the gateway's wait, e2e p99), its throughput against FIFO's,
+   and the sequences preempted and the tokens recomputed. Latency: end-to-end per request
    (queue wait included) and TTFT, by tenant; TTFT also of the arrivals after the first
    ``--warmup-s`` (the flood takes every slot at the start, before the light one sends).
 0. Single-tenant cost: bench_queue's pick loop (pre-filled to a depth, then submit one, pick
@@ -38,8 +47,9 @@ side by side: the order before slot shares.
 Run (about 7 minutes on 2 cores; ``--quick``: shorter runs, sim only):
     .venv/bin/python benchmarks/bench_fairness.py [--quick] [--no-gateway] [--json out.json]
         [--verdict v.json] [--gateway-replicas N --service-ms MS]
-Prints markdown tables, PASS/MISS lines and NOTE lines (slot shares, the slot reserve, then
-the prefill budget, before -> after, same run); always exits 0.
+Prints markdown tables, PASS/MISS lines and NOTE lines (slot shares, the slot reserve, the
+prefill budget, then preemption, before -> after, same run; which run the verdicts are on);
+always exits 0.
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import bench_queue as bq
@@ -80,7 +90,8 @@ THROUGHPUT_TOLERANCE = 0.05
 TENANCY_ON = "tenancy:\n  fair_sharing: true\n"
 VTC_COUNTERS = "vtc, counters only"  # VTC without slot shares: the order before them
 VTC_SHARES = "vtc + slot shares"  # VTC with slot shares and no slot reserve: before it
-VTC_BUDGET = "vtc + reserve + prefill budget"  # and the worker's prefill budget: the verdicts'
+VTC_BUDGET = "vtc + reserve + prefill budget"  # and the worker's prefill budget
+VTC_PREEMPT = "vtc + preemption"  # fair sharing's preemption, with the prefill budget
 
 
 @dataclass
@@ -101,6 +112,8 @@ class SimRow:
     heavy_p99_s: float
     throughput_per_s: float
     output_tokens_per_s: float
+    preempted: int = 0  # sequences paused for another tenant's (every replica)
+    recomputed_tokens: int = 0  # prefilled again by the resumed ones: prompt + tokens made
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -140,6 +153,7 @@ def simulate(
     args: argparse.Namespace,
     label: str,
     slot_shares: bool = True,
+    preemption: bool = False,
 ) -> tuple[
     dict[str, list[float]],
     dict[str, list[float]],
@@ -149,15 +163,22 @@ def simulate(
     dict[str, int],
     float,
     float,
+    tuple[int, int],
 ]:
     """Per tenant: e2e latencies and TTFTs of completed requests, TTFTs of those that arrived
     after the warm-up, TTFTs less the gateway's queue wait (the engine's part), arrivals,
-    completions; and the throughput while arrivals last
+    completions; the throughput while arrivals last
     (``--duration-s``, not the drain after): requests and output tokens completed in that
-    window, per second. ``slot_shares``: fair sharing's slot shares (False: counters only)."""
+    window, per second; and the sequences preempted and tokens recomputed, all replicas.
+    ``slot_shares``: fair sharing's slot shares (False: counters only); ``preemption``: fair
+    sharing's preemption on."""
     folder = Path(tempfile.mkdtemp(prefix="bench_fairness_"))
     (folder / "llama70b.yaml").write_text(config_text)
     config = load_config(str(folder / "llama70b.yaml"))
+    if preemption:  # FairnessConfig's flag: the gateway's queue and the workers' take it
+        tenancy = config.tenancy
+        fairness = replace(tenancy.fairness, preemption=True)
+        config = replace(config, tenancy=replace(tenancy, fairness=fairness))
     service = load_perf_model(args.traces / "profiles" / "perf_model.csv")
     arrivals = list(RateWorkload(label, tenants, LognormalLengths(), seed=args.seed))
     tenant_of = {str(index): arrival.tenant for index, arrival in enumerate(arrivals)}
@@ -198,6 +219,7 @@ def simulate(
                 late[tenant].append(ttft)
             engine[tenant].append(ttft - (record.wait_s or 0.0))
             completed[tenant] += 1
+    recorder = result.recorder
     return (
         latencies,
         ttfts,
@@ -207,6 +229,7 @@ def simulate(
         completed,
         window_done / args.duration_s,
         window_tokens / args.duration_s,
+        (sum(recorder.preempted.values()), sum(recorder.recomputed_tokens.values())),
     )
 
 
@@ -221,6 +244,7 @@ def sim_rows(args: argparse.Namespace) -> list[SimRow]:
     # The worker's prefill budget (batching.max_prefill_tokens) on top: the verdicts' run.
     budget_config = with_prefill_budget(fifo_config, args.prefill_budget) + TENANCY_ON
     vtc_config = budget_config + reserve_line(args.reserve_fraction)
+    preempt_config = budget_config + reserve_line(0.0)
 
     # Capacity: the heavy client alone at an overload no fleet of this size keeps up with
     # (completions per second while it lasts).
@@ -237,22 +261,26 @@ def sim_rows(args: argparse.Namespace) -> list[SimRow]:
     light = client_segments(light_path, args.start_s, duration, args.speedup, light_rate)
     heavy = client_segments(heavy_path, args.start_s, duration, args.speedup, heavy_rate)
     both = [("light", light), ("heavy", heavy)]
+    budget = f"prefill budget {args.prefill_budget:,}"
+    reserve = f"reserve {args.reserve_fraction:g}"
     runs = [
-        ("light alone", "fifo", fifo_config, [("light", light)], True),
-        ("light + heavy", "fifo", fifo_config, both, True),
-        ("light + heavy", VTC_COUNTERS, shares_config, both, False),
-        ("light + heavy", VTC_SHARES, shares_config, both, True),
-        ("light + heavy", f"vtc + reserve {args.reserve_fraction:g}", reserve_config, both, True),
-        ("light + heavy", f"{VTC_BUDGET} {args.prefill_budget:,}", vtc_config, both, True),
+        ("light alone", "fifo", fifo_config, [("light", light)], True, False),
+        ("light + heavy", "fifo", fifo_config, both, True, False),
+        ("light + heavy", VTC_COUNTERS, shares_config, both, False, False),
+        ("light + heavy", VTC_SHARES, shares_config, both, True, False),
+        ("light + heavy", f"vtc + {reserve}", reserve_config, both, True, False),
+        ("light + heavy", f"{VTC_BUDGET} {args.prefill_budget:,}", vtc_config, both, True, False),
+        ("light + heavy", f"{VTC_PREEMPT} + {budget}", preempt_config, both, True, True),
+        ("light + heavy", f"{VTC_PREEMPT} + {reserve} + {budget}", vtc_config, both, True, True),
     ]
     for fraction in args.reserve_sweep:  # more rows, no verdicts: the reserve's curve
         sweep_config = budget_config + reserve_line(fraction)
-        policy = f"vtc + reserve {fraction:g} + prefill budget {args.prefill_budget:,}"
-        runs.append(("light + heavy", policy, sweep_config, both, True))
+        policy = f"vtc + reserve {fraction:g} + {budget}"
+        runs.append(("light + heavy", policy, sweep_config, both, True, False))
     rows = []
-    for run, policy, config_text, tenants, slot_shares in runs:
-        latencies, ttfts, late, engine, offered, completed, throughput, tokens = simulate(
-            config_text, tenants, args, f"{run} {policy}", slot_shares
+    for run, policy, config_text, tenants, slot_shares, preemption in runs:
+        latencies, ttfts, late, engine, offered, completed, throughput, tokens, paused = simulate(
+            config_text, tenants, args, f"{run} {policy}", slot_shares, preemption
         )
         rows.append(
             SimRow(
@@ -272,6 +300,7 @@ def sim_rows(args: argparse.Namespace) -> list[SimRow]:
                 percentile(latencies.get("heavy", []), 0.99),
                 throughput,
                 tokens,
+                *paused,
             )
         )
         print(f"  {run} {policy}: done", file=sys.stderr)
@@ -308,6 +337,40 @@ def sim_table(rows: list[SimRow]) -> str:
             f"{r.heavy_p99_s:.2f} | {r.throughput_per_s:.3f} | {r.output_tokens_per_s:,.0f} |"
         )
     return "\n".join(lines)
+
+
+def vtc_table(rows: list[SimRow], solo: SimRow, fifo: SimRow) -> str:
+    """Every VTC run's light tenant figures over its solo ones, its throughput against
+    FIFO's, and what preemption did."""
+    lines = [
+        "| policy | light TTFT p99 x solo | after warm-up x solo | less the gateway's wait x "
+        "solo | light e2e p99 x solo | req/s vs FIFO | output tok/s vs FIFO | preempted | "
+        "recomputed tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if not r.policy.startswith("vtc"):
+            continue
+        lines.append(
+            f"| {r.policy} | {r.light_ttft_p99_s / solo.light_ttft_p99_s:.2f} | "
+            f"{r.light_ttft_p99_late_s / solo.light_ttft_p99_late_s:.2f} | "
+            f"{r.light_ttft_p99_engine_s / solo.light_ttft_p99_s:.2f} | "
+            f"{r.light_p99_s / solo.light_p99_s:.2f} | "
+            f"{(r.throughput_per_s / fifo.throughput_per_s - 1) * 100:+.1f}% | "
+            f"{(r.output_tokens_per_s / fifo.output_tokens_per_s - 1) * 100:+.1f}% | "
+            f"{r.preempted:,} | {r.recomputed_tokens:,} |"
+        )
+    return "\n".join(lines)
+
+
+def meets_targets(row: SimRow, solo: SimRow, fifo: SimRow) -> bool:
+    """The light tenant's TTFT p99 within 2x solo, requests/s and output tokens/s within 5%
+    of FIFO's: the sim's verdicts."""
+    return (
+        row.light_ttft_p99_s <= P99_RATIO_TARGET * solo.light_ttft_p99_s
+        and abs(row.throughput_per_s / fifo.throughput_per_s - 1) <= THROUGHPUT_TOLERANCE
+        and abs(row.output_tokens_per_s / fifo.output_tokens_per_s - 1) <= THROUGHPUT_TOLERANCE
+    )
 
 
 def verdicts(
@@ -661,7 +724,10 @@ def main() -> None:
     rows = sim_rows(args)
     print("## Simulator: ServeGen m-mid clients, llama2-70b fleet\n")
     print(sim_table(rows) + "\n")
-    solo, fifo, counters, shares, reserve, vtc = rows[:6]
+    solo, fifo, counters, shares, reserve, budget, preempt, preempt_reserve = rows[:8]
+    print(vtc_table(rows, solo, fifo) + "\n")
+    # The verdicts: on the first preemption run that meets the targets, else the budget's.
+    vtc = next((r for r in (preempt, preempt_reserve) if meets_targets(r, solo, fifo)), budget)
     lost = (fifo.light_requests - fifo.light_completed, vtc.light_requests - vtc.light_completed)
     results += verdicts(
         "sim",
@@ -697,7 +763,17 @@ def main() -> None:
     notes = [
         before_after_note("slot shares", solo, counters, shares),
         before_after_note(f"slot reserve {args.reserve_fraction:g}", solo, shares, reserve),
-        before_after_note(f"prefill budget {args.prefill_budget:,}", solo, reserve, vtc),
+        before_after_note(f"prefill budget {args.prefill_budget:,}", solo, reserve, budget),
+        before_after_note(
+            f"preemption (and reserve {args.reserve_fraction:g} -> 0)", solo, budget, preempt
+        ),
+        before_after_note(
+            f"preemption (reserve {args.reserve_fraction:g} kept)", solo, budget, preempt_reserve
+        ),
+        f"sim, preemption: {preempt.preempted:,} sequences paused, {preempt.recomputed_tokens:,}"
+        f" tokens recomputed (reserve 0); {preempt_reserve.preempted:,} and "
+        f"{preempt_reserve.recomputed_tokens:,} with the reserve",
+        f"sim: the verdicts are on the run '{vtc.policy}'",
     ]
     payload: dict[str, object] = {
         "commit": commit,
