@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tidegate.engines.base import GenerationEngine, SamplingParams, TokenEvent
+from tidegate.engines.base import GenerationEngine, Resume, SamplingParams, TokenEvent
 from tidegate.engines.generation import (
     IncrementalDetokenizer,
     TransformersGenerator,
@@ -327,6 +327,35 @@ async def test_closing_a_stream_early_frees_it(engine: TransformersGenerator) ->
     # The engine goes on serving, the same sequence id included.
     events = await run(engine, "early", "x", SamplingParams(max_tokens=4, temperature=GREEDY))
     assert events[-1].num_tokens == 4
+
+
+@pytest.mark.asyncio
+async def test_a_paused_sequence_resumes_where_its_client_stopped(
+    engine: TransformersGenerator,
+) -> None:
+    """Preemption's pause and resume: stopped after a few tokens, then given them back as
+    ``Resume``: its client's text is that of its tokens, once, and it makes the rest."""
+    prompt = engine.encode("The tide gate opens")
+    params = SamplingParams(max_tokens=24, temperature=GREEDY)
+    stream = engine.generate("paused", prompt, params)
+    before: list[TokenEvent] = []
+    async for event in stream:
+        before.append(event)
+        if event.num_tokens >= 5:
+            break
+    await stream.aclose()
+    assert engine.num_running == 0
+    made = tuple(before[-1].token_ids)
+    sent = text_of(before)
+    after = [
+        event async for event in engine.generate("paused", prompt, params, Resume(made, len(sent)))
+    ]
+    final = after[-1]
+    assert final.finish_reason is not None
+    assert tuple(final.token_ids[: len(made)]) == made
+    assert final.num_tokens == len(final.token_ids) > len(made)
+    whole = IncrementalDetokenizer(engine.decode, prompt).update(list(final.token_ids), final=True)
+    assert sent + text_of(after) == whole
 
 
 @pytest.mark.asyncio

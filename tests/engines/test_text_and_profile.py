@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tidegate.engines.profile import Curve, default_profile, load_profile
-from tidegate.engines.text import StopScanner
+from tidegate.engines.text import CatchUp, StopScanner
 from tidegate.errors import ConfigError
 
 
@@ -78,3 +78,18 @@ def test_bad_profile_names_file_key_and_fix(tmp_path: Path, content: str, key: s
 def test_missing_profile_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_profile(tmp_path / "absent.json")
+
+
+@pytest.mark.parametrize(
+    ("replayed", "sent", "deltas", "expected"),
+    [
+        ("abc", 3, ["de", "f"], ["de", "f"]),  # the replay released what the client has
+        ("abcd", 2, ["e"], ["cde"]),  # it released more: the client gets the rest first
+        ("ab", 4, ["c", "de", "f"], ["", "e", "f"]),  # less: what the client has is skipped
+    ],
+)
+def test_catch_up_sends_a_resumed_sequence_s_text_once(
+    replayed: str, sent: int, deltas: list[str], expected: list[str]
+) -> None:
+    catch_up = CatchUp(replayed, sent)
+    assert [catch_up(delta) for delta in deltas] == expected

@@ -78,6 +78,17 @@ class TokenEvent:
     text: str
     num_tokens: int  # tokens generated so far
     finish_reason: Literal["stop", "length"] | None = None
+    # the ids of every token generated so far (a paused sequence resumes from them)
+    token_ids: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A paused sequence going on (fair sharing's preemption): the tokens it had made, which
+    the engine recomputes as prompt, and how many characters of its text the client has."""
+
+    token_ids: tuple[int, ...]
+    text_chars: int
 
 
 class _Loaded(Protocol):
@@ -158,11 +169,18 @@ class GenerationEngine(_Loaded, Protocol):
         """The prompt of a chat, through the model's chat template."""
 
     def generate(
-        self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self,
+        seq_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        resume: Resume | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Start a sequence now; its tokens stream as they are made.
 
         Closing the iterator early (client gone) cancels the sequence and frees its slot.
+        With ``resume`` it goes on from a pause: its tokens are prefilled after the prompt,
+        ``num_tokens`` and ``params.max_tokens`` count them, and the text the client already
+        has is not sent again (``text.CatchUp``).
         """
 
 

@@ -54,6 +54,7 @@ from tidegate.engines.base import (
     FailureNotice,
     MemoryReport,
     ModelCard,
+    Resume,
     SamplingParams,
     TokenEvent,
 )
@@ -64,7 +65,7 @@ from tidegate.engines.hf_runtime import (
     quiet_transformers,
 )
 from tidegate.engines.model_folder import local_model_folder
-from tidegate.engines.text import StopScanner
+from tidegate.engines.text import CatchUp, StopScanner
 from tidegate.errors import InvalidRequest, PromptTooLong, ReplicaFailed
 
 log = logging.getLogger(__name__)
@@ -399,9 +400,14 @@ class TransformersGenerator:
         }
 
     async def generate(
-        self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self,
+        seq_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        resume: Resume | None = None,
     ) -> AsyncIterator[TokenEvent]:
-        """Stream one sequence; closing the iterator early cancels it in the manager."""
+        """Stream one sequence; closing the iterator early cancels it in the manager. With
+        ``resume``, go on after a pause (``GenerationEngine.generate``)."""
         from transformers.generation.continuous_batching import RequestStatus
 
         manager = self._manager
@@ -429,10 +435,13 @@ class TransformersGenerator:
             if self._failure is not None:  # died while this sequence was being set up
                 done = True
                 raise ReplicaFailed(_loop_failed(self.name))
+            before = list(resume.token_ids) if resume is not None else []
+            if len(before) >= params.max_tokens:
+                raise ValueError(f"a resumed sequence has made its {params.max_tokens} tokens")
             added = manager.add_request(
-                list(prompt_ids),
+                list(prompt_ids) + before,
                 request_id=rid,
-                max_new_tokens=params.max_tokens,
+                max_new_tokens=params.max_tokens - len(before),
                 streaming=True,
                 **self._sampling_kwargs(params),
             )
@@ -441,6 +450,9 @@ class TransformersGenerator:
                 raise ReplicaFailed(f"engine {self.name}: the generation loop is not running")
             text_of = IncrementalDetokenizer(self.decode, prompt_ids)
             scanner = StopScanner(params.stop)
+            catch_up = None
+            if resume is not None:  # the paused part's text, as the client got it
+                catch_up = CatchUp(scanner.feed(text_of.update(before))[0], resume.text_chars)
             while True:
                 await route.ready.wait()
                 route.ready.clear()
@@ -454,18 +466,22 @@ class TransformersGenerator:
                     # The engine's own text stays in the log: clients read no Python errors.
                     log.warning("engine %s: sequence %s failed: %s", self.name, rid, output.error)
                     raise ReplicaFailed(f"engine {self.name}: generating this sequence failed")
-                tokens = output.generated_tokens
+                tokens = before + output.generated_tokens if before else output.generated_tokens
                 made = len(tokens)
                 text, stopped = scanner.feed(text_of.update(tokens, final=done))
+                if done and not stopped:
+                    text += scanner.flush()
+                if catch_up is not None:
+                    text = catch_up(text)
                 if stopped:
-                    yield TokenEvent(text, made, "stop")
+                    yield TokenEvent(text, made, "stop", tokens)
                     return
                 if done:
                     eos = bool(tokens) and tokens[-1] in self._eos_ids
-                    yield TokenEvent(text + scanner.flush(), made, "stop" if eos else "length")
+                    yield TokenEvent(text, made, "stop" if eos else "length", tokens)
                     return
                 if text:
-                    yield TokenEvent(text, made)
+                    yield TokenEvent(text, made, token_ids=tokens)
         finally:
             with self._lock:
                 self._routes.pop(rid, None)

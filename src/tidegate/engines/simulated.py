@@ -18,9 +18,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import numpy as np
 
-from tidegate.engines.base import MemoryReport, ModelCard, SamplingParams, TokenEvent, Vectors
+from tidegate.engines.base import (
+    MemoryReport,
+    ModelCard,
+    Resume,
+    SamplingParams,
+    TokenEvent,
+    Vectors,
+)
 from tidegate.engines.profile import EngineProfile
-from tidegate.engines.text import StopScanner
+from tidegate.engines.text import CatchUp, StopScanner
 
 _WORDS = (
     "tide gate harbour vessel current anchor lantern signal river delta channel beacon "
@@ -144,24 +151,43 @@ class SimulatedGenerator:
         return self._itl(running) / 1e3
 
     async def generate(
-        self, seq_id: str, prompt_ids: Sequence[int], params: SamplingParams
+        self,
+        seq_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        resume: Resume | None = None,
     ) -> AsyncIterator[TokenEvent]:
         seed = params.seed if params.seed is not None else f"{self.seed}:{seq_id}"
         rng = random.Random(f"{seed}:{len(prompt_ids)}")
         scanner = StopScanner(params.stop)
+        before = 0 if resume is None else len(resume.token_ids)
+        if before >= params.max_tokens:
+            raise ValueError(f"a resumed sequence has made its {params.max_tokens} tokens")
+        catch_up = None
+        if resume is not None:  # the same words again, as the client got them
+            replayed = "".join(scanner.feed(_word(rng, made))[0] for made in range(1, before + 1))
+            catch_up = CatchUp(replayed, resume.text_chars)
         self.num_running += 1
         try:
             await asyncio.sleep(self.ttft_s(self.num_running))
-            for made in range(1, params.max_tokens + 1):
-                if made > 1:
+            for made in range(before + 1, params.max_tokens + 1):
+                if made > before + 1:
                     await asyncio.sleep(self.itl_s(self.num_running))
-                text, stopped = scanner.feed(("" if made == 1 else " ") + rng.choice(_WORDS))
-                if stopped:
-                    yield TokenEvent(text, made, "stop")
-                    return
+                text, stopped = scanner.feed(_word(rng, made))
                 last = made == params.max_tokens
-                yield TokenEvent(
-                    text + (scanner.flush() if last else ""), made, "length" if last else None
-                )
+                if last and not stopped:
+                    text += scanner.flush()
+                if catch_up is not None:
+                    text = catch_up(text)
+                ids = range(made)  # (its tokens have no ids of their own: their positions)
+                if stopped:
+                    yield TokenEvent(text, made, "stop", ids)
+                    return
+                yield TokenEvent(text, made, "length" if last else None, ids)
         finally:
             self.num_running -= 1
+
+
+def _word(rng: random.Random, made: int) -> str:
+    """The ``made``-th token's text: a word, after a space but for the first."""
+    return ("" if made == 1 else " ") + rng.choice(_WORDS)

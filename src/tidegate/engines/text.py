@@ -36,6 +36,29 @@ class StopScanner:
         return text
 
 
+class CatchUp:
+    """A resumed sequence's text: its tokens from before the pause are replayed through a
+    fresh detokenizer and stop scanner (``replayed``: what those released), which may have
+    released more or less than the ``sent_chars`` characters the client got before the pause
+    (held-back text is released at other points). The first deltas after it get the
+    difference: the text the client lacks is sent first, what it has is not sent again."""
+
+    __slots__ = ("_carry", "_skip")
+
+    def __init__(self, replayed: str, sent_chars: int) -> None:
+        self._carry = replayed[sent_chars:]
+        self._skip = max(0, sent_chars - len(replayed))
+
+    def __call__(self, delta: str) -> str:
+        if self._carry:
+            delta, self._carry = self._carry + delta, ""
+        if self._skip:
+            cut = min(self._skip, len(delta))
+            self._skip -= cut
+            delta = delta[cut:]
+        return delta
+
+
 def _overlap(text: str, stop: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
     for size in range(min(len(text), len(stop) - 1), 0, -1):

@@ -2,8 +2,10 @@
 
 The gateway treats a worker exactly like a vLLM server. Extra: ``/stats`` (what the gateway
 needs for flow control), ``/readyz`` gated on warm-up, the ``X-Tidegate-Priority`` header
-that orders the worker's local queue, and ``X-Tidegate-Tenant``, the tenant the gateway
-forwards, by which the generation queue shares a level when fair sharing is on.
+that orders the worker's local queue, ``X-Tidegate-Tenant``, the tenant the gateway
+forwards, by which the generation queue shares a level when fair sharing is on, and
+``X-Tidegate-Preempt``, a tenant one of whose decoding sequences pauses for this one (the
+gateway's fair-sharing preemption; ``SequenceScheduler.stream``).
 
 ``on_fatal`` is called when the worker can serve nothing more: its engine failed to start,
 or died later (``Worker.fail``). The server then exits non-zero, so that it is replaced.
@@ -72,6 +74,7 @@ from tidegate.worker.runtime import (
 log = logging.getLogger("tidegate.worker")
 PRIORITY_HEADER = "x-tidegate-priority"
 TENANT_HEADER = "x-tidegate-tenant"
+PREEMPT_HEADER = "x-tidegate-preempt"
 DEFAULT_LEVEL = 1  # medium, as the gateway's default for keyless requests
 LEVEL_NAMES = [spec.name for spec in WORKER_LEVELS]
 CHAT_DEFAULT_MAX_TOKENS = 256
@@ -321,14 +324,15 @@ def _priority(headers: Mapping[str, str]) -> int:
     )
 
 
-def _tenant(headers: Mapping[str, str]) -> str:
-    """The tenant the gateway forwards; "" (the anonymous tenant) when it sends none."""
-    raw = headers.get(TENANT_HEADER, "")
+def _tenant(headers: Mapping[str, str], name: str = TENANT_HEADER) -> str:
+    """The tenant the gateway forwards in header ``name``; "" (the anonymous tenant, or no
+    preemption) when it sends none."""
+    raw = headers.get(name, "")
     if raw and not TENANT_RE.fullmatch(raw):
+        param = "-".join(part.capitalize() for part in name.split("-"))  # X-Tidegate-...
         raise InvalidRequest(
-            f"X-Tidegate-Tenant must be 1-{MAX_TENANT_CHARS} printable ASCII characters "
-            "without spaces",
-            param="X-Tidegate-Tenant",
+            f"{param} must be 1-{MAX_TENANT_CHARS} printable ASCII characters without spaces",
+            param=param,
             code="invalid_tenant",
         )
     return raw
@@ -408,11 +412,12 @@ async def _generate(
     assert worker.sequences is not None
     priority = _priority(request.headers)
     tenant = _tenant(request.headers)
+    preempt = _tenant(request.headers, PREEMPT_HEADER)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     chunks = _Chunks(rid, body.model, created, chat)
     usage = {"prompt_tokens": len(prompt_ids)}
-    events = worker.sequences.stream(rid, prompt_ids, params, priority, tenant)
+    events = worker.sequences.stream(rid, prompt_ids, params, priority, tenant, preempt)
     if not body.stream:
         started = time.monotonic()
         with _outcome(worker, priority) as outcome:

@@ -36,7 +36,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tidegate.clock import SYSTEM_CLOCK, Clock
 from tidegate.core.batch_adapt import BatchPlanner, CapConfig
@@ -46,6 +46,7 @@ from tidegate.core.request import Request
 from tidegate.engines.base import (
     EmbeddingEngine,
     GenerationEngine,
+    Resume,
     SamplingParams,
     TokenEvent,
     Vector,
@@ -246,6 +247,10 @@ class SequenceScheduler:
         self.failure: BaseException | None = None  # set by fail(): the engine is gone
         self.holds: dict[str, int] = {}  # sequences that waited, by what held them
         self._last_hold: tuple[str, str] | None = None  # (seq_id, reason) last counted
+        self._running: dict[str, _Running] = {}  # sequences in the engine, by seq_id
+        self._grants = itertools.count()  # the order slots were granted in
+        self.num_preempted = 0  # sequences paused for a preempting one
+        self.recomputed_tokens = 0  # tokens they had made, prefilled again on resuming
 
     @property
     def slots(self) -> int:
@@ -258,9 +263,16 @@ class SequenceScheduler:
         params: SamplingParams,
         priority: int,
         tenant: str = "",
+        preempt: str = "",
     ) -> AsyncGenerator[TokenEvent, None]:
         """Wait for a slot in priority order (by tenant inside a level with fair sharing),
-        then stream the sequence's tokens."""
+        then stream the sequence's tokens.
+
+        ``preempt`` (fair sharing's preemption, decided by the gateway: core.fairness): with
+        every slot taken, one of that tenant's decoding sequences pauses at its next token
+        and hands its slot to this one; it waits in the queue again (first of its level by
+        its arrival) and resumes from its tokens (``Resume``: recomputed, its client's text
+        going on where it stopped)."""
         if self.failure is not None:
             raise self.failure
         now = self.clock.now()
@@ -280,10 +292,63 @@ class SequenceScheduler:
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._granted[seq_id] = granted
         self._prompt_tokens[seq_id] = len(prompt_ids)
+        if preempt and self.num_running >= self.max_num_seqs:
+            self._preempt(preempt, seq_id)
         self._fill_slots()
         if not granted.done() and self.num_running >= self.max_num_seqs:
             self._hold(seq_id, "slots")  # it came with every slot taken (counted here, once:
             # not by _fill_slots, which runs at every release and first token)
+        await self._wait_for_slot(request, granted)
+        made = 0
+        sent_chars = 0
+        token_ids: Sequence[int] = ()
+        resume: Resume | None = None
+        try:
+            while True:
+                running = self._running[seq_id] = _Running(tenant, next(self._grants))
+                events = cast(
+                    AsyncGenerator[TokenEvent, None],
+                    self.engine.generate(seq_id, prompt_ids, params)
+                    if resume is None
+                    else self.engine.generate(seq_id, prompt_ids, params, resume),
+                )
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        if seq_id in self._prefilling:  # its first token: its prefill is done
+                            self._prefilled(seq_id)
+                            self._fill_slots()
+                        made = running.made = event.num_tokens
+                        sent_chars += len(event.text)
+                        token_ids = event.token_ids
+                        yield event
+                        if running.handover is not None and event.finish_reason is None:
+                            if self._waiting(running.handover):
+                                break  # paused, for the sequence its slot goes to
+                            running.handover = None  # that one went away meanwhile
+                    else:
+                        return  # finished (or stopped)
+                resume = Resume(tuple(token_ids), sent_chars)
+                granted = self._pause(request, running, len(prompt_ids) + len(token_ids))
+                await self._wait_for_slot(request, granted, resumed=True)
+        finally:
+            self.throughput.record(self.clock.now(), made)
+            self.queue.drain.record(self.clock.now())
+            if resume is None or seq_id not in self._granted:
+                self._release_slot(request, len(prompt_ids), made)  # (hands over if asked)
+            else:  # paused, and gone while it waited: no slot held, its estimate refunded
+                self._granted.pop(seq_id, None)
+                self._prompt_tokens.pop(seq_id, None)
+                fair = self.queue.fair
+                if fair is not None:
+                    fair.charge(request.tenant, fair.config.cost(len(prompt_ids), made))
+            self._running.pop(seq_id, None)
+
+    async def _wait_for_slot(
+        self, request: Request, granted: asyncio.Future[None], resumed: bool = False
+    ) -> None:
+        """Wait until ``request`` is granted a slot; if it goes away first, it leaves the
+        queue (a paused one settles what it was served; the caller's ``finally`` does)."""
+        seq_id = request.id
         try:
             await granted
         except BaseException:
@@ -291,23 +356,60 @@ class SequenceScheduler:
             self._prompt_tokens.pop(seq_id, None)
             self.queue.cancel(seq_id)
             if granted.done() and not granted.cancelled() and granted.exception() is None:
-                # the slot was granted just as this request went away: nothing was served
+                # the slot was granted just as this request went away: nothing more served
                 self._release_slot(request, prompt_tokens=0, made=0)
             else:
                 self._fill_slots()  # it may have been the head that waited for cache room
+            if resumed:
+                self._granted[seq_id] = granted  # (tells the caller's ``finally`` it waited)
             raise
-        made = 0
-        try:
-            async for event in self.engine.generate(seq_id, prompt_ids, params):
-                if seq_id in self._prefilling:  # its first token: its prefill is done
-                    self._prefilled(seq_id)
-                    self._fill_slots()
-                made = event.num_tokens
-                yield event
-        finally:
-            self.throughput.record(self.clock.now(), made)
-            self.queue.drain.record(self.clock.now())
-            self._release_slot(request, len(prompt_ids), made)
+
+    def _preempt(self, tenant: str, seq_id: str) -> None:
+        """``seq_id`` came to preempt one of ``tenant``'s sequences: the one decoding with
+        the fewest tokens made (ties: the latest granted) pauses at its next token and hands
+        its slot over. None decoding or all already pausing: it waits as any other."""
+        victim: _Running | None = None
+        for running in self._running.values():
+            if running.tenant != tenant or running.handover is not None or running.made < 1:
+                continue
+            if victim is None or (running.made, -running.order) < (victim.made, -victim.order):
+                victim = running
+        if victim is not None:
+            victim.handover = seq_id
+
+    def _pause(
+        self, request: Request, running: _Running, prefill_tokens: int
+    ) -> asyncio.Future[None]:
+        """A sequence stopped for a preempting one: its slot, pages and tenant's slot are
+        free; it waits in the queue again (``requeue``: refunded, first of its level by its
+        arrival) and its slot goes to the preempting sequence if that one still waits."""
+        seq_id = request.id
+        self.num_preempted += 1
+        self.recomputed_tokens += running.made
+        self.num_running -= 1
+        self.cached_tokens -= self._cache_cost(request)
+        self._prefilled(seq_id)
+        self._running.pop(seq_id, None)
+        self.queue.requeue(request, self.clock.now())
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._granted[seq_id] = granted
+        self._prompt_tokens[seq_id] = prefill_tokens
+        self._hand_over(running.handover)
+        self._fill_slots()
+        return granted
+
+    def _waiting(self, seq_id: str) -> bool:
+        granted = self._granted.get(seq_id)
+        return granted is not None and not granted.done()
+
+    def _hand_over(self, seq_id: str | None) -> None:
+        """The slot just freed goes to the preempting ``seq_id``, whatever the queue's order,
+        when it still waits and the slot is free."""
+        if seq_id is None or self.num_running >= self.max_num_seqs or not self._waiting(seq_id):
+            return
+        request = self.queue.take(seq_id)
+        if request is not None:
+            self._grant(request)
 
     def drain(self, error: BaseException) -> int:
         """Answer every sequence still waiting for a slot with ``error``; returns how many."""
@@ -357,12 +459,16 @@ class SequenceScheduler:
         """A running sequence ended (finished, cancelled or failed) having made ``made``
         tokens: its slot, pages and any pending prefill are free; with fair sharing its
         tenant gives the slot back and is settled with what it was served, its prompt in
-        and ``made`` out (the worker knows them exactly, whatever the ending)."""
+        and ``made`` out (the worker knows them exactly, whatever the ending). A sequence
+        that was to pause for a preempting one hands it the slot."""
         self.num_running -= 1
         self.cached_tokens -= self._cache_cost(request)
         self._prefilled(request.id)
         self.queue.vacate(request)
         self.queue.settle(request, prompt_tokens, made)
+        running = self._running.pop(request.id, None)
+        if running is not None:
+            self._hand_over(running.handover)
         self._fill_slots()
 
     def _fill_slots(self) -> None:
@@ -386,14 +492,18 @@ class SequenceScheduler:
                 self._hold(heads[0].id, "prefill_budget")
                 break  # likewise
             (request,) = self.queue.pop(1, now)
-            granted = self._granted.pop(request.id)
-            prompt_tokens = self._prompt_tokens.pop(request.id)
-            self.num_running += 1
-            self.cached_tokens += self._cache_cost(request)
-            self._prefilling[request.id] = prompt_tokens
-            self.prefilling_tokens += prompt_tokens
-            self.metrics.batch_size.labels(self.engine.card.name).observe(self.num_running)
-            granted.set_result(None)
+            self._grant(request)
+
+    def _grant(self, request: Request) -> None:
+        """``request``, out of the queue, takes a free slot: its waiter goes on."""
+        granted = self._granted.pop(request.id)
+        prompt_tokens = self._prompt_tokens.pop(request.id)
+        self.num_running += 1
+        self.cached_tokens += self._cache_cost(request)
+        self._prefilling[request.id] = prompt_tokens
+        self.prefilling_tokens += prompt_tokens
+        self.metrics.batch_size.labels(self.engine.card.name).observe(self.num_running)
+        granted.set_result(None)
 
     def _hold(self, seq_id: str, reason: str) -> None:
         """The head ``seq_id`` waits, for ``reason``: counted once per sequence and reason."""
@@ -415,4 +525,18 @@ class SequenceScheduler:
             # or, at the head, the KV cache's room, the prefill budget, a fair queue's reserve
             "held_by": dict(self.holds),
             "last_held_by": self._last_hold[1] if self._last_hold else None,
+            # fair sharing's preemption: sequences paused for another tenant's, and the
+            # tokens they had made, prefilled again when they resumed
+            "preempted": self.num_preempted,
+            "recomputed_tokens": self.recomputed_tokens,
         }
+
+
+@dataclass(slots=True)
+class _Running:
+    """A sequence in the engine: whose, when granted, how far, and whom it pauses for."""
+
+    tenant: str
+    order: int
+    made: int = 0
+    handover: str | None = None  # a preempting sequence's id: pause at the next token
