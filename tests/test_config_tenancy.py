@@ -59,6 +59,8 @@ def test_tenancy_resolved_and_given_to_every_queue() -> None:
         ({"lag": 5}, "tenancy.lag", "unknown key", "lag_tokens"),
         ({"slot_reserve_fraction": 1}, "tenancy.slot_reserve_fraction", "out of range", "< 1"),
         ({"slot_reserve_fraction": -0.5}, "tenancy.slot_reserve_fraction", "out of range", ">= 0"),
+        ({"preemption": True}, "tenancy.preemption", "without fair_sharing", "fair_sharing: true"),
+        ({"header": "X-Tidegate-Preempt"}, "tenancy.header", "already gives a meaning", ""),
     ],
 )
 def test_bad_tenancy_names_file_key_and_fix(
@@ -78,3 +80,33 @@ def test_slot_reserve_defaults_to_a_32nd_of_the_slots() -> None:
     config = parse({"tenancy": {"fair_sharing": True}})
     assert config.fairness is not None
     assert config.fairness.reserve_fraction == FairnessConfig().reserve_fraction == 0.03125
+
+
+def test_preemption_is_only_for_local_generation_models_and_not_the_workers() -> None:
+    """The gateway's queue of a local generation model preempts; an embeddings model's or
+    an upstream's does not (nothing there to pause), nor does a worker's own queue (it
+    pauses what the gateway names)."""
+    config = parse(
+        {
+            "models": [
+                {"name": "chat", "task": "generate", "engine": "simulated"},
+                {"name": "embed", "task": "embeddings", "engine": "simulated"},
+                {
+                    "name": "remote",
+                    "task": "generate",
+                    "engine": "openai",
+                    "upstreams": ["http://127.0.0.1:9"],
+                },
+            ],
+            "tenancy": {"fair_sharing": True, "preemption": True},
+        }
+    )
+    preempts = {
+        name: getattr(config.queue_config(name).fairness, "preemption", None)
+        for name in config.models
+    }
+    assert preempts == {"chat": True, "embed": False, "remote": False}
+    worker = config.worker_settings("chat", "cpu")
+    assert worker.fairness is not None
+    assert not worker.fairness.preemption
+    assert parse_config(yaml.safe_load(render_config(config)), SOURCE) == config

@@ -176,3 +176,39 @@ async def test_the_slot_reserve_waits_for_a_newcomer() -> None:
     assert not heavy[3].assigned.done()
     dispatcher.release(replica, request=heavy[0].request)
     assert [t.assigned.done() for t in heavy[3:]] == [True, False]
+
+
+@pytest.mark.asyncio
+async def test_preemption_sends_past_the_slots_to_the_victims_replica() -> None:
+    """Two replicas of 2 slots: heavy holds 2 on r0 and 1 on r1, other the fourth (r1).
+    Light comes, no slot free: under its slot share (4 / 3 tenants), heavy over its own,
+    so light's request goes past the slots to r0 (most of heavy's), naming heavy; light's
+    second too (1 held, still under); the third waits (2, over). The paused ones still
+    hold their slots: when one of them ends, nothing new is sent (5 held of 4 slots)."""
+    metrics = GatewayMetrics(CollectorRegistry())
+    replicas = [
+        Replica(f"r{i}", "sim", "shared", "upstream", "http://unused", ReplicaState.READY, 2)
+        for i in range(2)
+    ]
+    config = FairnessConfig(lag_tokens=0.0, reserve_fraction=0.0, preemption=True)
+    pools = {"shared": PoolSpec("shared", frozenset({0, 1, 2}))}
+    dispatcher = ModelDispatcher("sim", QueueConfig(fairness=config), pools, replicas, metrics)
+
+    def submit(rid: str, tenant: str) -> Ticket:
+        return dispatcher.submit(Request(rid, "sim", 0, time.monotonic(), tenant=tenant))
+
+    heavy = [submit(f"heavy{i}", "heavy") for i in range(3)]
+    other = submit("other0", "other")
+    placed = [t.assigned.result().id for t in [*heavy, other]]
+    assert placed == ["r0", "r1", "r0", "r1"]
+    heavy.append(submit("heavy3", "heavy"))
+    light = [submit(f"light{i}", "light") for i in range(3)]
+    assert [t.assigned.done() for t in light] == [True, True, False]
+    assert [(t.assigned.result().id, t.preempt) for t in light[:2]] == [("r0", "heavy")] * 2
+    assert [r.in_flight for r in replicas] == [4, 2]
+    assert dispatcher.describe_tenants()["preemptions"] == 2
+    tenants = dispatcher.queue.tenants()
+    assert (tenants["light"]["in_flight"], tenants["heavy"]["in_flight"]) == (2, 3)
+    dispatcher.release(replicas[0], request=heavy[0].request)
+    assert not heavy[3].assigned.done()  # 5 held of 4 slots: none free
+    assert not light[2].assigned.done()

@@ -68,6 +68,7 @@ def render_config(config: TidegateConfig) -> str:
             "lag_tokens": config.tenancy.fairness.lag_tokens,
             "weights": dict(config.tenancy.fairness.shares),
             "slot_reserve_fraction": config.tenancy.fairness.reserve_fraction,
+            "preemption": config.tenancy.fairness.preemption,
         },
     }
     header = [f"# tidegate configuration from {config.source}: valid; defaults filled in."]

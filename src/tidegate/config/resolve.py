@@ -93,6 +93,7 @@ _RESERVED_HEADERS = frozenset(
         "x-request-id",
         "x-tidegate-priority",
         "x-tidegate-tenant",
+        "x-tidegate-preempt",
         "transfer-encoding",
         "connection",
     }
@@ -229,6 +230,12 @@ class _Resolver:
                     f"tenant {tenant!r} is not a valid tenant name",
                     "use 1-64 characters of letters, digits and . _ : @ -",
                 )
+        if raw.preemption and not raw.fair_sharing:
+            self.fail(
+                "tenancy.preemption",
+                "preemption is fair sharing's: without fair_sharing no tenant has a share",
+                "set tenancy.fair_sharing: true as well, or remove preemption",
+            )
         if raw.input_weight == 0 and raw.output_weight == 0:
             self.fail(
                 "tenancy.input_weight",
@@ -244,6 +251,7 @@ class _Resolver:
                 lag_tokens=raw.lag_tokens,
                 shares=tuple(sorted(raw.weights.items())),
                 reserve_fraction=raw.slot_reserve_fraction,
+                preemption=raw.preemption,
             ),
         )
 

@@ -219,6 +219,8 @@ class _TenancyIn(_Strict):
     weights: dict[str, PositiveFloat] = Field(default_factory=dict)  # tenant -> share
     # of a model's slots, the last free ones held for a tenant under its slot share
     slot_reserve_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.03125
+    # with no slot free, a tenant under its slot share may pause one of a tenant over its own
+    preemption: bool = False
 
 
 class _ConfigIn(_Strict):

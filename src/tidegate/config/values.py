@@ -313,13 +313,23 @@ class TidegateConfig:
 
         Under fifo: one level, no aging, no holdback, no per-level limit or timeout.
         """
-        queue = self.model(model_name).queue
+        model = self.model(model_name)
+        queue = model.queue
+        fairness = self.fairness
+        if (
+            fairness is not None
+            and fairness.preemption
+            and not (model.local and model.task == "generate")
+        ):
+            # Only tidegate's own generation workers pause a sequence for another; an
+            # embeddings batch or an upstream server has nothing to pause.
+            fairness = replace(fairness, preemption=False)
         if self.fifo:
             return QueueConfig(
                 levels=(LevelSpec(FIFO_LEVEL),),
                 max_size=queue.max_size,
                 aging=AgingConfig(threshold_s=self.aging.threshold_s, rate_per_s=0.0),
-                fairness=self.fairness,
+                fairness=fairness,
             )
         levels = tuple(
             LevelSpec(
@@ -331,7 +341,7 @@ class TidegateConfig:
             for name in self.levels
         )
         return QueueConfig(
-            levels=levels, max_size=queue.max_size, aging=self.aging, fairness=self.fairness
+            levels=levels, max_size=queue.max_size, aging=self.aging, fairness=fairness
         )
 
     @property
@@ -373,8 +383,9 @@ class TidegateConfig:
         if device == "auto" or not _DEVICE_RE.match(device):
             raise ValueError(f"device must be cpu or cuda:N, got {device!r}")
         # Fair sharing orders the tenants of the worker's sequence queue too; slot shares
-        # are the gateway's (the model's slots), so none are held back in a worker.
-        fairness = self.fairness and replace(self.fairness, reserve_fraction=0.0)
+        # are the gateway's (the model's slots), so none are held back in a worker, and the
+        # gateway decides preemptions (a worker pauses the sequence the request names).
+        fairness = self.fairness and replace(self.fairness, reserve_fraction=0.0, preemption=False)
         return WorkerSettings(
             model=model.name,
             engine=model.engine,

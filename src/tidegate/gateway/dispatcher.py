@@ -24,6 +24,12 @@ kept for a tenant under its share), and a pick holds a slot of its tenant's shar
 ``release`` (``WaitQueue.vacate``). A release that does not name its
 request (``request=None``) frees the slot of the oldest request dispatched to that replica
 that is still there: exact with one slot per replica, a guess by dispatch order otherwise.
+With preemption (``tenancy.preemption``, tidegate's own generation workers), when no slot is
+free and a tenant under its slot share waits while another is over its own
+(``WaitQueue.preempt``), its request goes past the slots to the replica holding the most of
+that tenant's requests, naming it (``Ticket.preempt``, sent as ``X-Tidegate-Preempt``): the
+worker pauses one of them for it. The paused request still holds its slot here until it
+ends, so the replica's in-flight exceeds its slots until it does.
 
 No ready replica: a request is still admitted and waits (bounded by its level's queue
 timeout, 504 after) while one is coming (starting, warming, being restarted, or cold-started
@@ -69,6 +75,7 @@ class Ticket:
     )
     assigned_at: float | None = None
     prefix_key: int | None = None  # prefix-affinity routing: the prompt's leading blocks
+    preempt: str | None = None  # fair sharing's preemption: the tenant it pauses one of
 
 
 class ModelDispatcher:
@@ -90,6 +97,8 @@ class ModelDispatcher:
         self.on_release = on_release  # tells a draining gateway that work finished
         self.queue = WaitQueue(queue)
         self._fair = self.queue.fair is not None
+        self._preemptive = self._fair and queue.fairness is not None and queue.fairness.preemption
+        self.num_preemptions = 0  # requests sent past the slots to pause another tenant's
         # Fair sharing: per replica id, the tenants of the requests dispatched there and not
         # yet released, oldest first (whose slot an unnamed release frees).
         self._holders: dict[str, deque[str]] = {}
@@ -253,6 +262,8 @@ class ModelDispatcher:
             "fair_sharing": fair is not None,
             "slots": 0 if fair is None else fair.slots,
             "reserve_slots": 0 if fair is None else fair.reserve,
+            "preemption": self._preemptive,
+            "preemptions": self.num_preemptions,
             "tenants": self.queue.tenants(),
         }
 
@@ -349,6 +360,8 @@ class ModelDispatcher:
             levels = servable_levels(views.values(), self.pools)
             popped = self.queue.pop(1, now, levels=levels) if levels else ()
             if not popped:
+                if self._preemptive:
+                    self._preempt(now, views, by_id)
                 self._wake_for_aging(levels)
                 return levels
             (request,) = popped
@@ -369,14 +382,48 @@ class ModelDispatcher:
             if view is None:
                 view = self._pick(views.values(), request, aged, ticket.prefix_key)
             assert view is not None  # a servable level has an eligible replica
-            replica = by_id[view.id]
-            replica.in_flight += 1
-            if self._fair:
-                self._holders.setdefault(replica.id, deque()).append(request.tenant)
-            views[replica.id] = replica.view()
-            ticket.assigned_at = now
-            ticket.assigned.set_result(replica)
+            self._assign(ticket, by_id[view.id], views, now)
         return levels
+
+    def _preempt(
+        self, now: float, views: dict[str, ReplicaView], by_id: dict[str, Replica]
+    ) -> None:
+        """No slot free for the queue: send the requests that may preempt (module docstring)
+        to the replicas holding the most of their victims' requests."""
+        while True:
+            taken = self.queue.preempt(now)
+            if taken is None:
+                return
+            request, victim = taken
+            best: ReplicaView | None = None
+            most = 0
+            for view in views.values():
+                held = self._holders.get(view.id)
+                if not held or not self._served_by((view,), request.priority, None):
+                    continue
+                count = held.count(victim)
+                if count > most:
+                    best, most = view, count
+            if best is None:  # none of its replicas serves this level: it waits
+                self.queue.requeue(request, now)
+                return
+            self.num_preemptions += 1
+            ticket = self._tickets.pop(request.id)
+            self._avoid.pop(request.id, None)
+            ticket.preempt = victim
+            self._assign(ticket, by_id[best.id], views, now)
+
+    def _assign(
+        self, ticket: Ticket, replica: Replica, views: dict[str, ReplicaView], now: float
+    ) -> None:
+        """``ticket`` goes to ``replica``: it holds a slot there (and, with fair sharing,
+        its tenant is one of the replica's holders) and its handler goes on."""
+        replica.in_flight += 1
+        if self._fair:
+            self._holders.setdefault(replica.id, deque()).append(ticket.request.tenant)
+        views[replica.id] = replica.view()
+        ticket.assigned_at = now
+        ticket.assigned.set_result(replica)
 
     def _served_by(self, views: Iterable[ReplicaView], priority: int, aged: int | None) -> bool:
         """Whether a ready replica among ``views`` serves ``priority`` (free slot or not)."""

@@ -52,6 +52,7 @@ from tidegate.gateway.state import Gateway
 log = logging.getLogger("tidegate.gateway")
 WORKER_LEVELS = ("high", "medium", "low")  # the worker's local queue levels
 TENANT_HEADER = "x-tidegate-tenant"  # to tidegate's own workers: whose request it is
+PREEMPT_HEADER = "x-tidegate-preempt"  # and whose sequence it pauses (fair preemption)
 TASK_OF_PATH = {
     "/v1/embeddings": "embeddings",
     "/v1/completions": "generate",
@@ -258,8 +259,9 @@ async def _admit_and_forward(
     connect_failures = 0
     while True:
         replica = await _wait_for_slot(dispatcher, ticket, call)
+        sent = headers if ticket.preempt is None else {**headers, PREEMPT_HEADER: ticket.preempt}
         try:
-            forwarded = await _send(gateway, replica, path, body, headers, stream, call)
+            forwarded = await _send(gateway, replica, path, body, sent, stream, call)
         except ConnectFailed as exc:
             if not isinstance(exc, ReplicaGone):
                 dispatcher.record_answer(replica, ok=False)
