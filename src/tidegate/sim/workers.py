@@ -250,34 +250,24 @@ class SequenceWorker(_LocalQueue):
         self.joining.append(self.tickets.pop(taken.id))
         self.pending_prefill += ticket.prefill_tokens
         self.num_running += 1
-        if paused in self.joining:  # not in the engine yet: it leaves at once
-            self.joining.remove(paused)
-            self.pending_prefill -= paused.prefill_tokens
-            self._requeue_paused([paused], now)
-        else:
-            self.pausing.append(paused)
+        self.pausing.append(paused)
         return True
 
     def _pick_paused(self, tenant: str, now: float) -> Ticket | None:
-        """``tenant``'s running sequence that has made the fewest tokens; ties: the latest
-        granted (the decoding ones were granted before the prefilling, those before the
-        joining); None when it has none running (or all are being paused already)."""
+        """``tenant``'s decoding sequence that has made the fewest tokens; ties: the latest
+        granted; None when it has none decoding (or all are being paused already). As the
+        real worker (``SequenceScheduler``): a sequence not yet at its first token is not
+        paused (the real one could only stop it at that token)."""
         pausing = self.pausing
         steps = self._steps_done(now)
         found = [
-            (ticket.output_tokens - (last - steps), 0, order, ticket)
+            (ticket.output_tokens - (last - steps), -order, ticket)
             for last, order, ticket in self.decoding
             if ticket.request.tenant == tenant and ticket not in pausing
         ]
-        for phase, tickets in ((1, self.prefilling), (2, self.joining)):
-            found += [
-                (ticket.made_tokens, phase, index, ticket)
-                for index, ticket in enumerate(tickets)
-                if ticket.request.tenant == tenant and ticket not in pausing
-            ]
         if not found:
             return None
-        return min(found, key=lambda item: (item[0], -item[1], -item[2]))[3]
+        return min(found, key=lambda item: item[:2])[2]
 
     def _steps_done(self, now: float) -> int:
         """Engine steps completed by ``now`` (a step in progress does not count)."""
