@@ -82,3 +82,19 @@ def test_slot_reserve_shown_with_the_slots() -> None:
         lines[3]
         == "  heavy: 5,000.0 virtual tokens, 900 queued, 62 in flight of a slot share of 62"
     )
+
+
+def test_preemption_shown_with_its_count() -> None:
+    text = format_tenants(
+        "m",
+        {
+            "fair_sharing": True,
+            "slots": 8,
+            "reserve_slots": 0,
+            "preemption": True,
+            "preemptions": 3,
+            "tenants": {"heavy": _holding(5000.0, 900, in_flight=8, slot_share=8.0)},
+        },
+    )
+    lines = text.splitlines()
+    assert "pauses a decoding sequence of the one most over its own: 3 so far" in lines[2]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tidegate.control.explain import format_batching
 from tidegate.core.fairness import FairnessConfig
 from tidegate.core.queue import QueueConfig
 from tidegate.engines.base import ModelCard, Resume, SamplingParams, TokenEvent
@@ -152,6 +153,8 @@ async def test_the_fewest_tokens_pause_the_slot_goes_to_the_preempting_one_and_i
     assert scheduler.num_running == 2
     assert scheduler.describe()["preempted"] == 1
     assert scheduler.describe()["recomputed_tokens"] == 2
+    explained = format_batching("chat", [("chat-0", scheduler.describe())])
+    assert "paused for another tenant's (preemption): 1, 2 tokens recomputed" in explained
     engine.step("l1", times=MAX_TOKENS)
     await quiesce()
     assert client.ended["l1"] == "completed"

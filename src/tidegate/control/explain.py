@@ -62,6 +62,11 @@ def format_tenants(model: str, described: dict[str, Any]) -> str:
             f"(shares divide the other {slots - reserve}): one at or over it waits, even "
             "when nobody else does"
         )
+    if described.get("preemption"):
+        lines.append(
+            "  with no slot free, a tenant under its slot share pauses a decoding sequence of "
+            f"the one most over its own: {described.get('preemptions', 0)} so far"
+        )
     ordered = sorted(tenants.items(), key=lambda item: (item[1]["counter"], item[0]))
     for tenant, state in ordered:
         share = f", share {state['share']:g}" if state.get("share", 1.0) != 1.0 else ""
@@ -153,11 +158,17 @@ def _sequence_lines(replica_id: str, batching: dict[str, Any]) -> list[str]:
     if batching.get("fair_sharing"):
         line += ", fair queue by tenant"
     held = ", ".join(f"{k} {v}" for k, v in batching.get("held_by", {}).items())
-    return [
+    lines = [
         line,
         f"    sequences that waited, by what held them: {held or 'none yet'}; last: "
         f"{batching.get('last_held_by') or 'none'}",
     ]
+    if batching.get("preempted"):
+        lines.append(
+            f"    paused for another tenant's (preemption): {batching['preempted']}, "
+            f"{batching.get('recomputed_tokens', 0)} tokens recomputed on resuming"
+        )
+    return lines
 
 
 def fetch_failure(url: str, exc: httpx.HTTPError, key_given: bool) -> str:
