@@ -757,6 +757,25 @@ async def _post(
     return record
 
 
+async def _stream_post(
+    client: LoadClient,
+    record: Record,
+    path: str,
+    body: bytes,
+    headers: Mapping[str, str] | None,
+    has_text: Callable[[bytes], bool],
+    timeout_s: float | None,
+) -> Record:
+    """``stream`` into ``record`` within ``timeout_s``; a transport error or the timeout is
+    status -1, as for ``_post``."""
+    try:
+        await asyncio.wait_for(stream(client, path, body, has_text, headers, record), timeout_s)
+    except Exception as exc:
+        record.status, record.error = -1, f"{type(exc).__name__}: {exc}"
+        record.end = time.perf_counter()
+    return record
+
+
 async def closed_loop(
     url: str,
     path: str,
@@ -844,11 +863,14 @@ async def open_loop(
     timeout_s: float,
     meters: Mapping[str, Callable[[], float]],
     client_kind: str = "raw",
+    has_text: Callable[[bytes], bool] | None = None,
 ) -> OpenLoop:
     """Send on schedule whatever the answers (request i carries ``headers[class]``); after the
     last arrival, wait at most ``drain_s`` for answers, then cancel what is still open
     (status 0). Latency runs from the scheduled arrival, so a late sender counts against the
-    server; ``meters`` give CPU seconds of the processes to report while sending."""
+    server; ``meters`` give CPU seconds of the processes to report while sending. With
+    ``has_text``, each request is streamed (``stream``): its record gets the times of the
+    events with text and the completion tokens of its usage chunk."""
     client = load_client(client_kind, url, 4096, timeout_s)
     try:
         records = [Record(math.nan, tag=cls) for _, cls in arrivals]
@@ -859,9 +881,13 @@ async def open_loop(
         async def send(i: int) -> None:
             record = records[i]
             record.sent = time.perf_counter()
-            await _post(
-                client, record, path, payloads[i % len(payloads)], headers[record.tag], timeout_s
-            )
+            payload = payloads[i % len(payloads)]
+            if has_text is None:
+                await _post(client, record, path, payload, headers[record.tag], timeout_s)
+            else:
+                await _stream_post(
+                    client, record, path, payload, headers[record.tag], has_text, timeout_s
+                )
 
         tasks = []
         for i, (at, _) in enumerate(arrivals):
@@ -880,20 +906,26 @@ async def open_loop(
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         for record in records:
-            if record.status == 0:  # cancelled: never finished
-                record.end = math.nan
+            if record.status == 0 or math.isnan(record.end):  # cancelled: never finished
+                record.status, record.end = 0, math.nan  # (a stream's status came first)
     finally:
         await client.aclose()
     return OpenLoop(records, start, sending_s, cores)
 
 
 async def stream(
-    client: LoadClient, path: str, body: bytes, has_text: Callable[[bytes], bool]
+    client: LoadClient,
+    path: str,
+    body: bytes,
+    has_text: Callable[[bytes], bool],
+    headers: Mapping[str, str] | None = None,
+    record: Record | None = None,
 ) -> Record:
     """One streaming request: when each event with text came (``has_text``), the completion
-    tokens of its usage chunk, and why it failed ("" when it did not)."""
-    record = Record(time.perf_counter())
-    async for item in client.events(path, body):
+    tokens of its usage chunk, and why it failed ("" when it did not); into ``record`` when
+    given (its start kept), else a new one that starts now."""
+    record = Record(time.perf_counter()) if record is None else record
+    async for item in client.events(path, body, headers):
         if isinstance(item, int):
             record.status = item
             record.error = "" if item == 200 else f"status {item}"

@@ -253,6 +253,33 @@ async def test_open_loop_sends_the_schedule_with_class_headers(server: tuple[str
     assert set(out.cores) == {"loadgen", "other processes"}
 
 
+@pytest.mark.asyncio
+async def test_open_loop_streams_each_arrival_with_its_class_headers(
+    server: tuple[str, App],
+) -> None:
+    url, app = server
+    arrivals = [(0.0, "high"), (0.001, "low")]
+    headers = {name: {"x-priority": name} for name in ("high", "low")}
+    out = await lg.open_loop(
+        url,
+        "/sse",
+        [b"{}"],
+        arrivals,
+        headers,
+        drain_s=HANG_GUARD_S,
+        timeout_s=HANG_GUARD_S,
+        meters={},
+        has_text=lambda event: b'"text"' in event,
+    )
+    assert [(r.tag, r.status, r.tokens, r.error) for r in out.records] == [
+        ("high", 200, 3, ""),
+        ("low", 200, 3, ""),
+    ]
+    # TTFT from the scheduled arrival, as the latency: a late sender counts against the server.
+    assert all(len(r.text_at) == 3 and 0 <= r.ttft <= r.latency for r in out.records)
+    assert sorted(p for _, _, p in app.seen) == ["high", "low"]
+
+
 def test_poisson_is_seeded_bounded_and_shared_by_class() -> None:
     classes = (("high", 0.2), ("medium", 0.3), ("low", 0.5))
     first = lg.poisson(1000.0, 10.0, 7, classes, 100_000)
