@@ -42,11 +42,33 @@ side by side: the order before slot shares.
    slots as replicas, for the slot shares), tenants ``light`` and ``heavy`` named by the
    trusted header ``X-Tenant`` (``tenancy.header``), loadgen's open-loop clients
    (benchmarks/loadgen.py): light alone, then light + heavy under FIFO and under VTC
-   (``tenancy.fair_sharing``), one gateway each.
+   (``tenancy.fair_sharing``), one gateway each. Embeddings slots turn over every
+   ``--service-ms``: preemption does not apply.
+3. Real gateway, generation: ``tidegate serve`` with one simulated generation model (a flat
+   profile: ``--gen-ttft-ms``, ``--gen-itl-ms`` whatever the batch; ``--gen-replicas`` x
+   ``--gen-max-num-seqs`` slots, 32 by default so that the 1/32 slot reserve holds one; its
+   queue bounded at ``--gen-queue`` so that the flood's backlog drains within the run), the
+   tenants by ``X-Tenant``, each arrival one streamed /v1/completions (loadgen's open loop,
+   Poisson, from 127.0.0.1): light ones of ``--gen-light-tokens`` tokens at ``--light-share``
+   of its fair share, heavy ones of ``--gen-heavy-tokens`` at 10x its own; a fair share is
+   half the slots in the tenant's own streams per second, computed from the profile (slots /
+   (TTFT + (tokens - 1) x ITL)), not measured. Runs of ``--gen-s`` each: light alone; light +
+   heavy under FIFO; under VTC (the configuration's reserve); under VTC with preemption
+   (``tenancy.preemption``: the gateway sends a light request past the slots and a worker
+   pauses a heavy stream at its next token); with ``--gen-reserve-zero`` (default) the same
+   without the reserve. Per request: TTFT (the first event with text, from the scheduled
+   arrival), e2e, status. Verdicts on the preemption run with the reserve: the light
+   tenant's TTFT p99 and e2e p99 at most 2x solo, output tokens/s (text events after
+   ``--gen-warmup-s``) within 5% of FIFO's, every accepted request (not 429) answered with
+   a whole stream. Requests/s in the window is a NOTE: it moves with the mix of short and
+   long streams that a policy completes. The gateway's preemptions and the workers' paused
+   sequences and recomputed tokens come from /admin/replicas and /stats. About 4 minutes;
+   ``--gateway-generation-only``: only this part; ``--no-gateway-generation``: without it.
 
-Run (about 7 minutes on 2 cores; ``--quick``: shorter runs, sim only):
+Run (about 11 minutes on 2 cores; ``--quick``: shorter runs, sim only):
     .venv/bin/python benchmarks/bench_fairness.py [--quick] [--no-gateway] [--json out.json]
         [--verdict v.json] [--gateway-replicas N --service-ms MS]
+        [--gateway-generation-only | --no-gateway-generation]
 Prints markdown tables, PASS/MISS lines and NOTE lines (slot shares, the slot reserve, the
 prefill budget, then preemption, before -> after, same run; which run the verdicts are on);
 always exits 0.
@@ -658,7 +680,322 @@ def gateway_table(rows: list[GatewayRow]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+# ----------------------------------------------------------------------- real gateway, generation
+GEN_VTC = "vtc"  # fair sharing, the configuration's slot reserve, no preemption
+GEN_PREEMPT = "vtc + preemption"
+
+
+@dataclass
+class GenRow:
+    run: str
+    policy: str
+    reserve_fraction: float
+    reserve_slots: int  # as the gateway counts them (/admin/replicas)
+    light_sent: int
+    light_ok: int
+    light_refused: int  # 429: not accepted
+    light_ttft_p50_ms: float
+    light_ttft_p99_ms: float
+    light_ttft_p99_late_ms: float  # arrivals after --gen-warmup-s (the flood starts with all)
+    light_e2e_p50_ms: float
+    light_e2e_p99_ms: float
+    heavy_sent: int
+    heavy_ok: int
+    heavy_refused: int
+    heavy_e2e_p99_ms: float
+    unanswered: int  # accepted (not 429) yet not a whole 200 stream: any other status, error
+    requests_per_s: float  # whole 200 streams ended in the window, per second
+    output_tokens_per_s: float  # streamed text events (one a token) in the window, per second
+    preemptions: int  # the gateway's (/admin/replicas)
+    preempted: int  # sequences the workers paused (/stats batching)
+    recomputed_tokens: int
+    error_samples: list[str]
+
+
+@dataclass(frozen=True)
+class GenLoad:
+    """What the generation runs offer, from the profile and the model's slots."""
+
+    slots: int
+    light_service_s: float  # one light stream alone on a slot: TTFT + (tokens - 1) x ITL
+    heavy_service_s: float
+    light_per_s: float
+    heavy_per_s: float
+
+
+def gen_load(args: argparse.Namespace) -> GenLoad:
+    """The light tenant at ``--light-share`` of its fair share, the heavy one at 10x its own;
+    a fair share is half the slots (two tenants), in its own streams per second: computed
+    from the flat profile, slots / (TTFT + (max_tokens - 1) x ITL), not measured."""
+    slots = args.gen_replicas * args.gen_max_num_seqs
+
+    def service_s(tokens: int) -> float:
+        return (args.gen_ttft_ms + (tokens - 1) * args.gen_itl_ms) / 1000
+
+    light_s, heavy_s = service_s(args.gen_light_tokens), service_s(args.gen_heavy_tokens)
+    share = slots / 2
+    return GenLoad(
+        slots, light_s, heavy_s, args.light_share * share / light_s, FLOOD * share / heavy_s
+    )
+
+
+def gen_config(
+    profile: Path, policy: str, reserve_fraction: float, args: argparse.Namespace
+) -> dict[str, object]:
+    """One simulated generation model (``--gen-replicas`` x ``--gen-max-num-seqs`` slots);
+    its queue bounded at ``--gen-queue`` so that the flood's backlog drains within the run
+    (the rest of it is refused: 429); tenants by the trusted header X-Tenant."""
+    tenancy: dict[str, object] = {"header": "X-Tenant"}
+    if policy != "fifo":
+        tenancy |= {"fair_sharing": True, "slot_reserve_fraction": reserve_fraction}
+        tenancy["preemption"] = policy.startswith(GEN_PREEMPT)
+    return {
+        "models": [
+            {
+                "name": "chat",
+                "task": "generate",
+                "engine": "simulated",
+                "profile": str(profile),
+                "replicas": args.gen_replicas,
+                "batching": {"max_num_seqs": args.gen_max_num_seqs},
+                "queue": {"max_size": args.gen_queue},
+            }
+        ],
+        "tenancy": tenancy,
+    }
+
+
+def completion_text(event: bytes) -> bool:
+    """A /v1/completions stream event with text (a resumed stream's catch-up may send "")."""
+    return b'"choices":[{' in event and b'"text":""' not in event
+
+
+def gen_counters(url: str) -> tuple[int, int, int, int]:
+    """The gateway's reserve slots and preemptions, the workers' paused sequences and
+    recomputed tokens (all replicas): read before the gateway stops."""
+    import httpx
+
+    with httpx.Client(timeout=10.0) as client:
+        model = client.get(f"{url}/admin/replicas").json()["chat"]
+        stats = [
+            client.get(f"{replica['url']}/stats").json()["batching"]
+            for replica in model["replicas"]
+        ]
+    tenants = model["tenants"]
+    return (
+        int(tenants["reserve_slots"]),
+        int(tenants["preemptions"]),
+        sum(int(s.get("preempted", 0)) for s in stats),
+        sum(int(s.get("recomputed_tokens", 0)) for s in stats),
+    )
+
+
+def gen_run(
+    logdir: Path,
+    profile: Path,
+    policy: str,
+    reserve_fraction: float,
+    rates: dict[str, float],
+    args: argparse.Namespace,
+) -> GenRow:
+    import loadgen
+
+    total = sum(rates.values())
+    classes = [(name, rate / total) for name, rate in rates.items()]
+    arrivals = loadgen.poisson(total, args.gen_s, args.seed, classes, 1_000_000)
+    headers = {name: {"X-Tenant": name} for name in ("light", "heavy")}
+    tokens = {"light": args.gen_light_tokens, "heavy": args.gen_heavy_tokens}
+    # One body per arrival, by its tenant's length (open_loop sends payloads[i]).
+    payloads = [
+        json.dumps(
+            {
+                "model": "chat",
+                "prompt": f"{tenant} request {i}",
+                "max_tokens": tokens[tenant],
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        for i, (_, tenant) in enumerate(arrivals)
+    ]
+    name = f"gen-{policy.replace(' ', '')}-{reserve_fraction:g}-{'+'.join(rates)}"
+    serve = loadgen.start_serve(
+        name, logdir, gen_config(profile, policy, reserve_fraction, args), "chat"
+    )
+    with loadgen.running(serve):
+        loop = asyncio.run(
+            loadgen.open_loop(
+                serve.url,
+                "/v1/completions",
+                payloads,
+                arrivals,
+                headers,
+                drain_s=args.gen_drain_s,
+                timeout_s=args.gen_s + args.gen_drain_s,
+                meters={},
+                has_text=completion_text,
+            )
+        )
+        reserve, preemptions, preempted, recomputed = gen_counters(serve.url)
+    records = loop.records
+    whole = [r for r in records if r.status == 200 and not r.error]
+    light = [r for r in records if r.tag == "light"]
+    heavy = [r for r in records if r.tag == "heavy"]
+    light_whole = [r for r in whole if r.tag == "light"]
+    unanswered = [r for r in records if r.status != 429 and (r.status != 200 or r.error)]
+    window_from, window_to = loop.started + args.gen_warmup_s, loop.started + args.gen_s
+    window_s = args.gen_s - args.gen_warmup_s
+    late = [r for r in light_whole if r.start >= window_from]
+    events = sum(window_from <= at <= window_to for r in records for at in r.text_at)
+    return GenRow(
+        "light alone" if len(rates) == 1 else "light + heavy",
+        policy,
+        reserve_fraction,
+        reserve,
+        len(light),
+        len(light_whole),
+        sum(r.status == 429 for r in light),
+        loadgen.percentile([r.ttft * 1000 for r in light_whole], 50),
+        loadgen.percentile([r.ttft * 1000 for r in light_whole], 99),
+        loadgen.percentile([r.ttft * 1000 for r in late], 99),
+        loadgen.percentile([r.latency * 1000 for r in light_whole], 50),
+        loadgen.percentile([r.latency * 1000 for r in light_whole], 99),
+        len(heavy),
+        sum(r.tag == "heavy" for r in whole),
+        sum(r.status == 429 for r in heavy),
+        loadgen.percentile([r.latency * 1000 for r in whole if r.tag == "heavy"], 99),
+        len(unanswered),
+        sum(window_from <= r.end <= window_to for r in whole) / window_s,
+        events / window_s,
+        preemptions,
+        preempted,
+        recomputed,
+        [f"{r.tag} {r.status} {r.error}" for r in unanswered[:5]],
+    )
+
+
+def gen_rows(args: argparse.Namespace) -> list[GenRow]:
+    import loadgen
+
+    logdir = Path(tempfile.mkdtemp(prefix="bench_fairness_gen_"))
+    profile = logdir / "flat-generate.json"
+    point = {"concurrency": 1, "ttft_ms": args.gen_ttft_ms, "itl_ms": args.gen_itl_ms}
+    profile.write_text(
+        json.dumps(
+            {"version": 1, "model": "chat", "task": "generate", "generate": {"points": [point]}}
+        )
+    )
+    load = gen_load(args)
+    light = {"light": load.light_per_s}
+    both = {"light": load.light_per_s, "heavy": load.heavy_per_s}
+    print(
+        f"gateway, generation: {load.slots} slots ({args.gen_replicas} replicas x max_num_seqs "
+        f"{args.gen_max_num_seqs}), TTFT {args.gen_ttft_ms:g} ms, ITL {args.gen_itl_ms:g} ms: "
+        f"a light stream ({args.gen_light_tokens} tokens) holds a slot {load.light_service_s:.2f}"
+        f" s, a heavy one ({args.gen_heavy_tokens}) {load.heavy_service_s:.2f} s; light "
+        f"{load.light_per_s:.1f} streams/s, heavy {load.heavy_per_s:.1f}/s, {args.gen_s:g} s "
+        "each",
+        file=sys.stderr,
+    )
+    reserve = args.reserve_fraction
+    runs = [
+        ("fifo", reserve, light),
+        ("fifo", reserve, both),
+        (GEN_VTC, reserve, both),
+        (GEN_PREEMPT, reserve, both),
+    ]
+    if args.gen_reserve_zero:
+        runs.append((GEN_PREEMPT, 0.0, both))
+    rows = []
+    try:
+        for policy, fraction, rates in runs:
+            rows.append(gen_run(logdir, profile, policy, fraction, rates, args))
+            print(f"  gateway, generation: {policy} {'+'.join(rates)}: done", file=sys.stderr)
+    finally:
+        loadgen.stop_all()
+    return rows
+
+
+def gen_table(rows: list[GenRow]) -> str:
+    lines = [
+        "| run | policy | reserve (slots) | light ok / sent | light 429 | light TTFT p50 / p99 "
+        "ms | light TTFT p99 after warm-up ms | light e2e p50 / p99 ms | heavy ok / sent | "
+        "heavy 429 | heavy e2e p99 s | not answered | req/s in window | output tok/s in window "
+        "| preemptions | paused / recomputed tokens |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        reserve = "-" if r.policy == "fifo" else f"{r.reserve_fraction:g} ({r.reserve_slots})"
+        lines.append(
+            f"| {r.run} | {r.policy} | {reserve} | {r.light_ok:,} / {r.light_sent:,} | "
+            f"{r.light_refused:,} | {r.light_ttft_p50_ms:.0f} / {r.light_ttft_p99_ms:.0f} | "
+            f"{r.light_ttft_p99_late_ms:.0f} | "
+            f"{r.light_e2e_p50_ms:.0f} / {r.light_e2e_p99_ms:.0f} | {r.heavy_ok:,} / "
+            f"{r.heavy_sent:,} | {r.heavy_refused:,} | {r.heavy_e2e_p99_ms / 1000:.1f} | "
+            f"{r.unanswered} | {r.requests_per_s:.1f} | {r.output_tokens_per_s:,.0f} | "
+            f"{r.preemptions:,} | {r.preempted:,} / {r.recomputed_tokens:,} |"
+        )
+    return "\n".join(lines)
+
+
+def gen_verdicts(rows: list[GenRow]) -> tuple[list[tuple[bool, str]], list[str]]:
+    """On the preemption run with the configuration's reserve: the light tenant's TTFT p99
+    and e2e p99 within 2x solo, output tokens/s within 5% of FIFO's, and every accepted
+    request answered (every run). Requests/s is a note: the policy changes the mix of short
+    and long streams completed, so it moves with the mix, not with the work done."""
+    solo, fifo, vtc, preempt = rows[:4]
+
+    def times(field: str) -> dict[str, float]:
+        return {r.policy: getattr(r, field) / getattr(solo, field) for r in (fifo, vtc, preempt)}
+
+    def p99_line(what: str, field: str, also: str = "") -> tuple[bool, str]:
+        found = times(field)
+        return (
+            found[GEN_PREEMPT] <= P99_RATIO_TARGET,
+            f"gateway, generation: light tenant {what} p99 with a 10x flood, VTC + preemption "
+            f"{getattr(preempt, field):.0f} ms = {found[GEN_PREEMPT]:.2f}x its solo p99 "
+            f"{getattr(solo, field):.0f} ms (target <= {P99_RATIO_TARGET:g}x; VTC without "
+            f"preemption {found[GEN_VTC]:.2f}x, FIFO {found['fifo']:.2f}x; light 429s: FIFO "
+            f"{fifo.light_refused}, VTC {vtc.light_refused}, VTC + preemption "
+            f"{preempt.light_refused}{also})",
+        )
+
+    late = times("light_ttft_p99_late_ms")
+    late_line = (
+        f"; arrivals after the warm-up: VTC + preemption {late[GEN_PREEMPT]:.2f}x, VTC "
+        f"{late[GEN_VTC]:.2f}x, FIFO {late['fifo']:.2f}x"
+    )
+    change = preempt.output_tokens_per_s / fifo.output_tokens_per_s - 1
+    unanswered = sum(r.unanswered for r in rows)
+    results = [
+        p99_line("TTFT", "light_ttft_p99_ms", late_line),
+        p99_line("e2e", "light_e2e_p99_ms"),
+        (
+            abs(change) <= THROUGHPUT_TOLERANCE,
+            f"gateway, generation: output tokens/s while the flood lasts, VTC + preemption "
+            f"{preempt.output_tokens_per_s:,.0f} vs FIFO {fifo.output_tokens_per_s:,.0f} "
+            f"({change * 100:+.1f}%, target within {THROUGHPUT_TOLERANCE * 100:g}%; VTC "
+            f"without preemption {vtc.output_tokens_per_s:,.0f})",
+        ),
+        (
+            unanswered == 0,
+            f"gateway, generation: accepted requests not answered with a whole stream, every "
+            f"run: {unanswered} {[s for r in rows for s in r.error_samples][:3]}",
+        ),
+    ]
+    notes = [
+        f"gateway, generation: completed requests/s in the window, FIFO "
+        f"{fifo.requests_per_s:.1f}, VTC {vtc.requests_per_s:.1f}, VTC + preemption "
+        f"{preempt.requests_per_s:.1f} (not a verdict: FIFO serves the streams in arrival "
+        f"order, mostly long ones; fair sharing serves the light tenant's short ones)",
+        f"gateway, generation: VTC + preemption paused {preempt.preempted:,} sequences "
+        f"({preempt.preemptions:,} preemptions at the gateway), {preempt.recomputed_tokens:,} "
+        "tokens recomputed",
+    ]
+    return results, notes
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
     parser.add_argument("--light", default="chunk-36", help="m-mid client of the light tenant")
@@ -697,6 +1034,30 @@ def main() -> None:
     parser.add_argument("--cost-rounds", type=int, default=6)
     parser.add_argument("--cost-steps", type=int, default=20_000)
     parser.add_argument("--cost-budget-s", type=float, default=1.0)
+    gen = parser.add_argument_group("real gateway, generation")
+    gen.add_argument(
+        "--gateway-generation",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the generation part on the real gateway (off with --no-gateway too)",
+    )
+    gen.add_argument("--gateway-generation-only", action="store_true", help="only that part")
+    gen.add_argument("--gen-s", type=float, default=30.0, help="sending, per run")
+    gen.add_argument("--gen-warmup-s", type=float, default=5.0, help="throughput after this")
+    gen.add_argument("--gen-drain-s", type=float, default=60.0, help="answers after sending")
+    gen.add_argument("--gen-replicas", type=int, default=2)
+    gen.add_argument("--gen-max-num-seqs", type=int, default=16, help="slots of a replica")
+    gen.add_argument("--gen-ttft-ms", type=float, default=50.0, help="flat profile")
+    gen.add_argument("--gen-itl-ms", type=float, default=20.0, help="flat profile")
+    gen.add_argument("--gen-light-tokens", type=int, default=16, help="light max_tokens")
+    gen.add_argument("--gen-heavy-tokens", type=int, default=200, help="heavy max_tokens")
+    gen.add_argument("--gen-queue", type=int, default=96, help="the model's queue.max_size")
+    gen.add_argument(
+        "--gen-reserve-zero",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one more preemption run without the slot reserve",
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-gateway", action="store_true")
     parser.add_argument("--json", type=Path)
@@ -708,14 +1069,14 @@ def main() -> None:
         args.duration_s = min(args.duration_s, 200.0)
         args.cost_rounds, args.cost_budget_s = 2, 0.3
         args.no_gateway = True
+    return args
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
-    print(
-        f"# bench_fairness  {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC  commit {commit}  "
-        f"{platform.processor() or platform.machine()}\n"
-    )
+
+def sim_and_embeddings(
+    args: argparse.Namespace,
+) -> tuple[list[tuple[bool, str]], list[str], dict[str, object]]:
+    """The one-tenant cost, the simulator and (unless ``--no-gateway``) the real gateway with
+    embeddings: their tables printed; their verdicts, notes and rows returned."""
     results: list[tuple[bool, str]] = []
     costs = cost_rows(args)
     print("## One tenant: the pick's cost with fair sharing off and on\n")
@@ -776,7 +1137,6 @@ def main() -> None:
         f"sim: the verdicts are on the run '{vtc.policy}'",
     ]
     payload: dict[str, object] = {
-        "commit": commit,
         "cost": [asdict(r) for r in costs],
         "sim": [asdict(r) for r in rows],
     }
@@ -796,6 +1156,36 @@ def main() -> None:
             (g_fifo.light_sent - g_fifo.light_ok, g_vtc.light_sent - g_vtc.light_ok),
         )
         payload["gateway"] = [asdict(r) for r in gw]
+    return results, notes, payload
+
+
+def main() -> None:
+    args = parse_args()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    print(
+        f"# bench_fairness  {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC  commit {commit}  "
+        f"{platform.processor() or platform.machine()}\n"
+    )
+    results: list[tuple[bool, str]] = []
+    notes: list[str] = []
+    payload: dict[str, object] = {"commit": commit}
+    if not args.gateway_generation_only:
+        found, more, parts = sim_and_embeddings(args)
+        results += found
+        notes += more
+        payload |= parts
+    if args.gateway_generation and not args.no_gateway:
+        gen = gen_rows(args)
+        print(
+            "## Real gateway: tidegate serve, a simulated generation model, tenants by X-Tenant\n"
+        )
+        print(gen_table(gen) + "\n")
+        found, more = gen_verdicts(gen)
+        results += found
+        notes += more
+        payload["gateway_generation"] = [asdict(r) for r in gen]
     for ok, line in results:
         print(f"{'PASS' if ok else 'MISS'} {line}")
     for line in notes:
