@@ -102,6 +102,9 @@ class Client:
         except asyncio.CancelledError:
             self.ended[seq_id] = "cancelled"
             raise
+        except RuntimeError:
+            self.ended[seq_id] = "failed"
+            return
         self.ended[seq_id] = "completed"
 
 
@@ -118,9 +121,14 @@ def make(slots: int = 2, fair: bool = True) -> tuple[SteppedEngine, SequenceSche
 
 
 async def finish_all(engine: SteppedEngine, client: Client) -> None:
-    while len(client.ended) < len(client.tasks):
+    """Step every running sequence until every client has ended (bounded: a sequence that
+    never ends fails the test instead of hanging it)."""
+    for _ in range(10 * MAX_TOKENS * len(client.tasks)):
+        if len(client.ended) == len(client.tasks):
+            return
         engine.step(*engine.running)
         await quiesce()
+    pytest.fail(f"still running: {set(client.tasks) - set(client.ended)}")
 
 
 async def two_heavy(
@@ -241,3 +249,22 @@ async def test_a_paused_sequence_whose_client_goes_away_leaves_nothing_behind() 
     # (18: the two estimates of 9 it had when light came); then h2 is charged what it was
     # served (3 + 2 x 2, no estimate left) and h1 settled (3 + 2 x 6 for its estimate 9).
     assert tenants["heavy"]["counter"] == 18 + (3 + 2 * 2) + (3 + 2 * 6 - 9)
+
+
+@pytest.mark.asyncio
+async def test_a_drain_hands_back_what_waits_but_a_paused_sequence_resumes() -> None:
+    """A draining worker answers its unstarted waiting sequences (the gateway puts them
+    back); a paused one has started streaming: it stays, resumes and completes."""
+    engine, scheduler, client = await two_heavy()
+    client.send("h3", "heavy")
+    client.send("l1", "light", preempt="heavy")
+    await quiesce()
+    engine.step("h2")
+    await quiesce()
+    assert scheduler.drain(RuntimeError("draining")) == 1  # h3
+    await quiesce()
+    assert client.ended == {"h3": "failed"}
+    await finish_all(engine, client)
+    assert client.ended["h2"] == "completed"
+    assert client.texts["h2"] == _text("h2", MAX_TOKENS)
+    assert scheduler.num_running == len(scheduler.queue) == 0

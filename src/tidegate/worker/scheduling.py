@@ -162,7 +162,7 @@ class EmbeddingBatcher:
     def fail(self, error: BaseException) -> None:
         """Answer every input, waiting or in the running batch, with ``error``; refuse more."""
         self.failure = error
-        self.drain(error)
+        self.drain(error, keep_paused=False)
         for rid in list(self._results):  # a dead loop leaves its batch's futures open
             self._settle(rid, exc=error)
 
@@ -248,6 +248,7 @@ class SequenceScheduler:
         self.holds: dict[str, int] = {}  # sequences that waited, by what held them
         self._last_hold: tuple[str, str] | None = None  # (seq_id, reason) last counted
         self._running: dict[str, _Running] = {}  # sequences in the engine, by seq_id
+        self._paused: set[str] = set()  # paused sequences waiting for a slot again
         self._grants = itertools.count()  # the order slots were granted in
         self.num_preempted = 0  # sequences paused for a preempting one
         self.recomputed_tokens = 0  # tokens they had made, prefilled again on resuming
@@ -342,6 +343,7 @@ class SequenceScheduler:
                 if fair is not None:
                     fair.charge(request.tenant, fair.config.cost(len(prompt_ids), made))
             self._running.pop(seq_id, None)
+            self._paused.discard(seq_id)
 
     async def _wait_for_slot(
         self, request: Request, granted: asyncio.Future[None], resumed: bool = False
@@ -390,6 +392,7 @@ class SequenceScheduler:
         self.cached_tokens -= self._cache_cost(request)
         self._prefilled(seq_id)
         self._running.pop(seq_id, None)
+        self._paused.add(seq_id)
         self.queue.requeue(request, self.clock.now())
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._granted[seq_id] = granted
@@ -411,17 +414,25 @@ class SequenceScheduler:
         if request is not None:
             self._grant(request)
 
-    def drain(self, error: BaseException) -> int:
-        """Answer every sequence still waiting for a slot with ``error``; returns how many."""
-        waiting = self.queue.pop(len(self.queue), self.clock.now()) if len(self.queue) else ()
+    def drain(self, error: BaseException, keep_paused: bool = True) -> int:
+        """Answer every sequence still waiting for a slot with ``error``; returns how many.
+        A paused one (preemption) has started: it stays, and resumes when a slot frees,
+        unless ``keep_paused`` is off (the engine is gone)."""
+        now = self.clock.now()
+        waiting = self.queue.pop(len(self.queue), now) if len(self.queue) else ()
+        answered = 0
         for request in waiting:
+            if keep_paused and request.id in self._paused:
+                self.queue.requeue(request, now)  # (refunds the pop's charge and slot)
+                continue
+            answered += 1
             # A fair queue's pick gave its tenant a slot and charged it: it was served none.
             self.queue.vacate(request)
             self.queue.settle(request, 0, 0)
             granted = self._granted.pop(request.id, None)
             if granted is not None and not granted.done():
                 granted.set_exception(error)
-        return len(waiting)
+        return answered
 
     def fail(self, error: BaseException) -> None:
         """Answer every waiting sequence with ``error`` and refuse new ones.
@@ -498,6 +509,7 @@ class SequenceScheduler:
         """``request``, out of the queue, takes a free slot: its waiter goes on."""
         granted = self._granted.pop(request.id)
         prompt_tokens = self._prompt_tokens.pop(request.id)
+        self._paused.discard(request.id)
         self.num_running += 1
         self.cached_tokens += self._cache_cost(request)
         self._prefilling[request.id] = prompt_tokens
