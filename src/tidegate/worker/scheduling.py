@@ -162,7 +162,7 @@ class EmbeddingBatcher:
     def fail(self, error: BaseException) -> None:
         """Answer every input, waiting or in the running batch, with ``error``; refuse more."""
         self.failure = error
-        self.drain(error, keep_paused=False)
+        self.drain(error)
         for rid in list(self._results):  # a dead loop leaves its batch's futures open
             self._settle(rid, exc=error)
 
@@ -440,7 +440,7 @@ class SequenceScheduler:
         Running sequences are the engine's to fail: it fails them when it dies.
         """
         self.failure = error
-        self.drain(error)
+        self.drain(error, keep_paused=False)
 
     def _cache_cost(self, request: Request) -> int:
         """KV cache tokens a sequence may hold: its prompt + max_tokens, in whole pages."""
