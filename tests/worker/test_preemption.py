@@ -268,3 +268,15 @@ async def test_a_drain_hands_back_what_waits_but_a_paused_sequence_resumes() -> 
     assert client.ended["h2"] == "completed"
     assert client.texts["h2"] == _text("h2", MAX_TOKENS)
     assert scheduler.num_running == len(scheduler.queue) == 0
+
+
+@pytest.mark.asyncio
+async def test_an_engine_that_died_fails_a_paused_sequence_too() -> None:
+    engine, scheduler, client = await two_heavy()
+    client.send("l1", "light", preempt="heavy")
+    await quiesce()
+    engine.step("h2")
+    await quiesce()
+    scheduler.fail(RuntimeError("engine died"))
+    await quiesce()
+    assert client.ended == {"h2": "failed"}
