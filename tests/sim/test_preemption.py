@@ -6,6 +6,7 @@ ends exactly once. Off, nothing changes."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -51,6 +52,7 @@ class _Run:
         arrivals: list[Arrival],
         replicas: int = 1,
         service: ServiceModel | None = None,
+        before_run: Callable[[Simulation], None] | None = None,
     ) -> None:
         scenario = Scenario(
             config,
@@ -69,7 +71,9 @@ class _Run:
             for ticket in tickets:
                 self.done.setdefault(ticket.request.id, []).append(ticket)
             sink_done(replica_id, tickets)
-            replica = simulation.fleet.live[replica_id]
+            replica = simulation.fleet.live.get(replica_id)
+            if replica is None:  # a drained replica's last: it stopped
+                return
             worker = replica.worker
             running = worker.num_running if isinstance(worker, SequenceWorker) else 0
             self.after_release.append(
@@ -77,6 +81,8 @@ class _Run:
             )
 
         simulation.done = done
+        if before_run is not None:
+            before_run(simulation)
         result = simulation.run()
         assert result.recorder.requests is not None
         self.result = result
@@ -163,6 +169,37 @@ def test_the_request_goes_to_the_replica_holding_most_of_the_victims() -> None:
     assert ttft is not None
     assert ttft <= 2 * STEP_S + 1e-9  # the step in progress there, then its prefill
     assert [w.num_preempted for w in run.workers()] == [0, 1]
+
+
+def test_a_drained_replica_keeps_its_paused_sequence_which_resumes_and_ends_there() -> None:
+    """2 replicas of 4 slots, heavy's ten fill them (two wait at the gateway); light pauses
+    one of heavy's on the first at t=0.51; that replica is drained at 0.515. The paused
+    sequence has started: it is not handed back but resumes there when light ends, and
+    completes with its tokens once; the replica stops after; nothing is lost."""
+    drained: list[str] = []
+
+    def drain_the_preempting_replica(simulation: Simulation) -> None:
+        def drain(_: object) -> None:
+            for replica_id, replica in list(simulation.fleet.live.items()):
+                worker = replica.worker
+                if isinstance(worker, SequenceWorker) and worker.num_preempted:
+                    drained.append(replica_id)
+                    simulation.fleet.drain(replica_id)
+
+        simulation.kernel.at(0.515, drain)
+
+    arrivals = [Arrival(0.001 * i, 10, 200, None, "heavy") for i in range(10)]
+    arrivals.append(Arrival(0.5, 10, 5, None, "light"))
+    config = preempting(config_of(_generation()))
+    run = _Run(config, arrivals, replicas=2, before_run=drain_the_preempting_replica)
+    run.assert_all_ended_once_with_their_tokens()
+    (replica_id,) = drained
+    (stopped,) = [r for r in run.simulation.fleet.stopped if r.id == replica_id]
+    assert isinstance(stopped.worker, SequenceWorker)
+    assert stopped.worker.num_preempted == 1
+    assert stopped.worker.num_running == len(stopped.worker.queue) == 0
+    on_drained = [rid for rid, tickets in run.done.items() if tickets[0].replica == replica_id]
+    assert len(on_drained) == 5  # its 4 heavy (the paused one among them) and light
 
 
 def test_with_none_of_the_victims_where_the_request_may_go_it_waits_for_a_slot() -> None:

@@ -449,9 +449,25 @@ class SequenceWorker(_LocalQueue):
             queue.vacate(local)
             queue.settle(local, ticket.prompt_tokens, ticket.output_tokens)
 
+    def take_waiting(self) -> list[Ticket]:
+        """What has not started; a paused sequence stays (it has: it resumes here when a
+        slot frees, as the real worker's drain keeps it)."""
+        now = self.kernel.time
+        waiting = []
+        for request in self.queue.pop(len(self.queue) or 1, now):
+            ticket = self.tickets[request.id]
+            if ticket.made_tokens:
+                self.queue.requeue(ticket.local, now)  # (refunds the pop's charge and slot)
+            else:
+                waiting.append(self.tickets.pop(request.id))
+        return waiting
+
     def take_running(self) -> list[Ticket]:
+        """Stop the engine: what it was running, and the paused sequences waiting to resume."""
         self._version += 1
         running = self.joining + self.prefilling + [entry[2] for entry in self.decoding]
+        paused = self.queue.pop(len(self.queue), self.kernel.time) if len(self.queue) else ()
+        running += [self.tickets.pop(request.id) for request in paused]
         self.joining, self.prefilling, self.decoding = [], [], []
         self.pausing = []
         self.num_running = 0
