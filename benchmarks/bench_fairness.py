@@ -65,7 +65,7 @@ side by side: the order before slot shares.
    sequences and recomputed tokens come from /admin/replicas and /stats. About 4 minutes;
    ``--gateway-generation-only``: only this part; ``--no-gateway-generation``: without it.
 
-Run (about 11 minutes on 2 cores; ``--quick``: shorter runs, sim only):
+Run (about 8 minutes on 2 cores; ``--quick``: shorter runs, sim only):
     .venv/bin/python benchmarks/bench_fairness.py [--quick] [--no-gateway] [--json out.json]
         [--verdict v.json] [--gateway-replicas N --service-ms MS]
         [--gateway-generation-only | --no-gateway-generation]
