@@ -69,6 +69,8 @@ def gateway_config(
                 upstreams=(services[name].url,),
                 slots=_gateway_slots(model, options.gateway_replicas),
                 autoscaling=None,
+                # the workers' own (their Deployment's flags): an openai upstream refuses it
+                batching=dataclasses.replace(model.batching, max_prefill_tokens=0),
             )
     pools = {name: dataclasses.replace(p, devices=("auto",)) for name, p in config.pools.items()}
     gateway = dataclasses.replace(
