@@ -328,8 +328,9 @@ class SequenceScheduler:
                             running.handover = None  # that one went away meanwhile
                     else:
                         return  # finished (or stopped)
-                resume = Resume(tuple(token_ids), sent_chars)
-                granted = self._pause(request, running, len(prompt_ids) + len(token_ids))
+                # (the ids as of its last event: an engine may share a list that grows)
+                resume = Resume(tuple(token_ids[:made]), sent_chars)
+                granted = self._pause(request, running, len(prompt_ids) + made)
                 await self._wait_for_slot(request, granted, resumed=True)
         finally:
             self.throughput.record(self.clock.now(), made)
