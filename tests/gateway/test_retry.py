@@ -70,3 +70,21 @@ async def test_a_replica_gone_before_the_send_is_retried_elsewhere_and_not_held_
                 assert response.status_code == 200, response.text
             assert gone.outlier.consecutive_failures == 0
             assert gone.in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_a_second_retry_avoids_every_replica_that_failed_the_request() -> None:
+    """A lost node takes two replicas at once: the first retry may land on the other one of
+    them; the second then goes to the healthy replica, not back to either."""
+    dead_a, dead_b, healthy = _replica("dead-a"), _replica("dead-b"), _replica("healthy")
+    dispatcher = _dispatcher([dead_a, dead_b, healthy])
+    healthy.in_flight = 3  # the dead ones are the least loaded
+    ticket = dispatcher.submit(Request("r", "m", 1, 0.0))
+    first = ticket.assigned.result()
+    assert first in (dead_a, dead_b)
+    again = dispatcher.retry(ticket, first)
+    second = again.assigned.result()
+    assert second in (dead_a, dead_b)
+    assert second is not first
+    third = dispatcher.retry(again, second).assigned.result()
+    assert third is healthy

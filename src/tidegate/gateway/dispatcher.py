@@ -76,6 +76,7 @@ class Ticket:
     assigned_at: float | None = None
     prefix_key: int | None = None  # prefix-affinity routing: the prompt's leading blocks
     preempt: str | None = None  # fair sharing's preemption: the tenant it pauses one of
+    avoided: frozenset[str] = frozenset()  # a retry: the replicas that failed it so far
 
 
 class ModelDispatcher:
@@ -110,7 +111,7 @@ class ModelDispatcher:
         self._tickets: dict[str, Ticket] = {}
         # A retried request's replica that just failed it: its next pick goes elsewhere
         # when another replica has a free slot (Envoy's "previous hosts" retry predicate).
-        self._avoid: dict[str, str] = {}
+        self._avoid: dict[str, frozenset[str]] = {}
         self._wake = asyncio.Event()
         self._timer_at: float | None = None  # the deadline or aging the owner task sleeps until
         self._choices = itertools.count()
@@ -302,18 +303,19 @@ class ModelDispatcher:
     def retry(self, ticket: Ticket, failed: Replica) -> Ticket:
         """Put a request whose replica failed before any byte back in front of its level.
 
-        Its next pick avoids ``failed`` while another ready replica serves its level: it
-        waits for a free slot there rather than go back to the one that just failed it (a
-        replica whose node went refuses every connection until it is replaced).
+        Its next pick avoids ``failed`` (and the replicas that failed it before) while
+        another ready replica serves its level: it waits for a free slot there rather than go
+        back to one that just failed it (a replica whose node went refuses every connection
+        until it is replaced, and a node takes all its replicas with it).
         """
         failed.in_flight -= 1
         if self._fair:
             self._unhold(failed, ticket.request)  # requeue gives its tenant's slot back
         request = dataclasses.replace(ticket.request, attempt=ticket.request.attempt + 1)
         self.queue.requeue(request, self.clock.now())
-        again = Ticket(request, prefix_key=ticket.prefix_key)
+        again = Ticket(request, prefix_key=ticket.prefix_key, avoided=ticket.avoided | {failed.id})
         self._tickets[request.id] = again
-        self._avoid[request.id] = failed.id
+        self._avoid[request.id] = again.avoided
         self._dispatch(self.clock.now())
         return again
 
@@ -371,7 +373,7 @@ class ModelDispatcher:
             ticket = self._tickets.pop(request.id)
             view = None
             if avoid is not None:  # a retry: another replica if one has a free slot
-                others = [v for v in views.values() if v.id != avoid]
+                others = [v for v in views.values() if v.id not in avoid]
                 view = self._pick(others, request, aged, ticket.prefix_key)
                 if view is None and self._served_by(others, request.priority, aged):
                     # They are full: wait for one, first in its level as it was.

@@ -4,8 +4,9 @@ Per request: authenticate (API key → class and cap), validate the body once ag
 endpoint's schema (``wire``) and take what the scheduler needs from it (model, stream,
 priority, a token estimate), check the key's quota (429 with Retry-After when over it),
 submit to the model's dispatcher (429 with Retry-After when refused), wait for a replica
-slot (504 on queue timeout, cancelled when the client goes away), forward (retry once on
-another replica if nothing reached the first), pass the answer through. Every request ends
+slot (504 on queue timeout, cancelled when the client goes away), forward (retried on
+another replica while nothing reached one, up to ``CONNECT_ATTEMPTS`` replicas), pass the
+answer through. Every request ends
 in exactly one counted outcome.
 """
 
@@ -53,6 +54,11 @@ log = logging.getLogger("tidegate.gateway")
 WORKER_LEVELS = ("high", "medium", "low")  # the worker's local queue levels
 TENANT_HEADER = "x-tidegate-tenant"  # to tidegate's own workers: whose request it is
 PREEMPT_HEADER = "x-tidegate-preempt"  # and whose sequence it pauses (fair preemption)
+# A request no replica could take before any byte is tried on this many, each one another
+# while one serves its level: a lost node takes all its replicas at once, and the first
+# retry may land on one of them before the orchestrator has marked it (Envoy: num_retries
+# with the previous-hosts predicate).
+CONNECT_ATTEMPTS = 3
 TASK_OF_PATH = {
     "/v1/embeddings": "embeddings",
     "/v1/completions": "generate",
@@ -266,13 +272,13 @@ async def _admit_and_forward(
             if not isinstance(exc, ReplicaGone):
                 dispatcher.record_answer(replica, ok=False)
             connect_failures += 1
-            if connect_failures > 1:
+            if connect_failures >= CONNECT_ATTEMPTS:
                 dispatcher.release(replica, completed=False, request=ticket.request)
                 call.outcome = "failed"
                 log.warning("%s: replica %s unreachable too: %s", call.rid, replica.id, exc)
                 raise ReplicaFailed(
                     f"model {model}: replica {replica.id} could not be reached, nor the "
-                    "replica tried before it"
+                    "replicas tried before it"
                 ) from exc
             log.warning("%s: retrying on another replica: %s", call.rid, exc)
             gateway.metrics.retries.labels(model).inc()
