@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidegate.core.fairness import FairnessConfig, VirtualTokenCounters, reserve_slots, slot_share
+from tidegate.core.fairness import (
+    FairnessConfig,
+    VirtualTokenCounters,
+    reserve_slots,
+    sequence_to_pause,
+    slot_share,
+)
 from tidegate.core.queue import Admitted, AgingConfig, LevelSpec, QueueConfig, WaitQueue
 from tidegate.core.request import Request
 
@@ -482,6 +488,21 @@ def test_take_picks_one_request_out_of_order() -> None:
     assert queue.tenants()["light"]["in_flight"] == 1
     assert queue.tenants()["light"]["counter"] == 1
     assert [r.id for r in queue.pop(2, 1.0)] == ["h0"]
+
+
+@pytest.mark.parametrize(
+    ("running", "expected"),
+    [
+        ([("a", 5, 0), ("b", 2, 1), ("c", 2, 2)], "c"),  # fewest made; ties: latest granted
+        ([("a", 0, 0), ("b", 3, 1)], "b"),  # one not yet at its first token is never paused
+        ([("a", 0, 0)], None),
+        ([], None),
+    ],
+)
+def test_the_sequence_paused_is_the_decoding_one_with_the_fewest_tokens(
+    running: list[tuple[str, int, int]], expected: str | None
+) -> None:
+    assert sequence_to_pause(running) == expected
 
 
 def test_victim_is_the_tenant_most_over_its_share() -> None:

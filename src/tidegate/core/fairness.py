@@ -62,6 +62,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+K = TypeVar("K")
 
 # Forget idle tenants' counters once there are this many more counters than backlogged ones.
 _PRUNE_SLACK = 64
@@ -107,6 +110,22 @@ def slot_share(slots: int, share: float, active_shares: float) -> float:
     if active_shares <= 0:
         return float(max(1, slots))
     return max(1.0, slots * share / active_shares)
+
+
+def sequence_to_pause(running: Iterable[tuple[K, int, int]]) -> K | None:
+    """Of the victim tenant's running sequences, as ``(key, tokens made, grant order)``, the
+    one a preemption pauses: a decoding one (at least one token made: an engine stops a
+    sequence only at a token) with the fewest tokens made, the least to recompute; ties: the
+    latest granted. None when none is decoding."""
+    best: tuple[int, int] | None = None
+    chosen: K | None = None
+    for key, made, order in running:
+        if made < 1:
+            continue
+        rank = (made, -order)
+        if best is None or rank < best:
+            best, chosen = rank, key
+    return chosen
 
 
 def reserve_slots(slots: int, fraction: float) -> int:

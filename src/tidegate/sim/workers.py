@@ -43,6 +43,7 @@ from typing import Protocol
 
 from tidegate.core.batch_adapt import BatchPlanner, CapConfig
 from tidegate.core.batching import BatchConfig, Release, plan_batch
+from tidegate.core.fairness import sequence_to_pause
 from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
 from tidegate.core.request import Request
 from tidegate.sim.gateway import Ticket
@@ -260,14 +261,11 @@ class SequenceWorker(_LocalQueue):
         paused (the real one could only stop it at that token)."""
         pausing = self.pausing
         steps = self._steps_done(now)
-        found = [
-            (ticket.output_tokens - (last - steps), -order, ticket)
+        return sequence_to_pause(
+            (ticket, ticket.output_tokens - (last - steps), order)
             for last, order, ticket in self.decoding
             if ticket.request.tenant == tenant and ticket not in pausing
-        ]
-        if not found:
-            return None
-        return min(found, key=lambda item: item[:2])[2]
+        )
 
     def _steps_done(self, now: float) -> int:
         """Engine steps completed by ``now`` (a step in progress does not count)."""

@@ -41,6 +41,7 @@ from typing import Any, cast
 from tidegate.clock import SYSTEM_CLOCK, Clock
 from tidegate.core.batch_adapt import BatchPlanner, CapConfig
 from tidegate.core.batching import BatchConfig, Release, plan_batch
+from tidegate.core.fairness import sequence_to_pause
 from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
 from tidegate.core.request import Request
 from tidegate.engines.base import (
@@ -371,12 +372,11 @@ class SequenceScheduler:
         """``seq_id`` came to preempt one of ``tenant``'s sequences: the one decoding with
         the fewest tokens made (ties: the latest granted) pauses at its next token and hands
         its slot over. None decoding or all already pausing: it waits as any other."""
-        victim: _Running | None = None
-        for running in self._running.values():
-            if running.tenant != tenant or running.handover is not None or running.made < 1:
-                continue
-            if victim is None or (running.made, -running.order) < (victim.made, -victim.order):
-                victim = running
+        victim = sequence_to_pause(
+            (running, running.made, running.order)
+            for running in self._running.values()
+            if running.tenant == tenant and running.handover is None
+        )
         if victim is not None:
             victim.handover = seq_id
 
