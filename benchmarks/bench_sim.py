@@ -12,6 +12,9 @@
    ``tidegate simulate`` calls it (reading the trace, priorities, the run, the report;
    no files written): llama2-70b on A100 TP8 from ``perf_model.csv``, 4 replicas of 32
    sequences, at 1x and 1.5x its rate. Target: well under a second per policy.
+   With a compiled build (``make compiled``, tidegate.native) both run twice, side by side:
+   compiled here and interpreted in a child process (``TIDEGATE_PURE_PYTHON=1``), with the
+   ratio; the verdicts are the compiled figures. Without one, the interpreted figures only.
 3. ``--cprofile``: the saturated scenario under cProfile: the top functions and the split
    of the time between ``tidegate/core`` and ``tidegate/sim``.
 4. Fleet level (``sim.fluid``, ``examples/fleets/servegen.yaml``): (a) the 14 days of the
@@ -42,9 +45,11 @@ import dataclasses
 import datetime as dt
 import json
 import math
+import os
 import platform
 import pstats
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from summary import write_verdicts
+from tidegate import native
 from tidegate.config import load_config
 from tidegate.sim import SimulateOptions, simulate
 from tidegate.sim.fleetfile import DAY_S, fleet_markdown, load_fleet
@@ -417,6 +423,26 @@ def machine() -> str:
     return f"{cpu}, Python {platform.python_version()}, {platform.system()} {platform.release()}"
 
 
+def build() -> str:
+    """Which build of tidegate this process runs."""
+    modules = native.compiled_modules()
+    if not modules or os.environ.get(native.PURE_ENV, "") not in ("", "0"):
+        return "interpreted"
+    return f"compiled (mypyc: {len(modules)} modules)"
+
+
+def interpreted_figures(args: argparse.Namespace) -> dict[str, Any]:
+    """Parts 1-2 in a child process that imports every module from its .py."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "interpreted.json"
+        command = [sys.executable, __file__, "--skip-fleet", "--json", str(out)]
+        command += ["--requests", str(args.requests), "--repeat", str(args.repeat)]
+        command += ["--traces", str(args.traces)]
+        env = {**os.environ, native.PURE_ENV: "1"}
+        subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--requests", type=int, default=200_000)
@@ -439,9 +465,12 @@ def main() -> None:
     if args.quick:
         args.requests, args.repeat = 20_000, 1
     started = time.perf_counter()
-    print(f"# bench_sim {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {machine()}", flush=True)
+    print(
+        f"# bench_sim {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC, {machine()}, {build()}",
+        flush=True,
+    )
     lines: list[str] = []
-    out: dict[str, Any] = {"machine": machine()}
+    out: dict[str, Any] = {"machine": machine(), "build": build()}
     if not args.fleet_only:
         lines += request_level(args, out)
     if not args.skip_fleet:
@@ -486,6 +515,8 @@ def request_level(args: argparse.Namespace, out: dict[str, Any]) -> list[str]:
     print(f"\nReading the trace alone: {read_s:.2f} s CPU.\n")
     if args.cprofile:
         print(profile_saturated(min(args.requests, 100_000)))
+    if build() != "interpreted":
+        print(side_by_side(interpreted_figures(args), path_rows, azure_rows))
     best = max(row.per_s for row in path_rows)
     worst = min(row.per_s for row in path_rows)
     slowest = max(a.cpu_s for a in azure_rows)
@@ -493,11 +524,40 @@ def request_level(args: argparse.Namespace, out: dict[str, Any]) -> list[str]:
     out["azure"] = [asdict(a) for a in azure_rows]
     out["workload_generation_per_s"] = generation
     return [
-        f"{'PASS' if worst >= TARGET_PER_S else 'MISS'} queue + batching path: "
+        f"{'PASS' if worst >= TARGET_PER_S else 'MISS'} queue + batching path, {build()}: "
         f"{worst:,.0f} to {best:,.0f} requests/s (target >= {TARGET_PER_S:,.0f})",
-        f"{'PASS' if slowest < 1.0 else 'MISS'} Azure conversation trace: at most {slowest:.2f} "
-        "s CPU per policy (target: well under 1 s)",
+        f"{'PASS' if slowest < 1.0 else 'MISS'} Azure conversation trace, {build()}: at most "
+        f"{slowest:.2f} s CPU per policy (target: well under 1 s)",
     ]
+
+
+def side_by_side(
+    interpreted: dict[str, Any], path_rows: list[PathRow], azure_rows: list[AzureRow]
+) -> str:
+    """The interpreted child's figures beside this process's compiled ones."""
+    lines = [
+        "| run | interpreted requests/s | compiled requests/s | compiled / interpreted "
+        "| same outcomes |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for before, row in zip(interpreted["path"], path_rows, strict=True):
+        same = (before["completed"], before["refused"], before["events"]) == (
+            row.completed,
+            row.refused,
+            row.events,
+        )
+        lines.append(
+            f"| {row.scenario} | {before['per_s']:,.0f} | {row.per_s:,.0f} "
+            f"| {row.per_s / before['per_s']:.2f}x | {'yes' if same else 'NO'} |"
+        )
+    for before, a in zip(interpreted["azure"], azure_rows, strict=True):
+        lines.append(
+            f"| Azure x{a.rate_scale:g} {a.policy} | {before['per_s']:,.0f} | {a.per_s:,.0f} "
+            f"| {a.per_s / before['per_s']:.2f}x | |"
+        )
+    heading = "Side by side, the same run interpreted (a child process; same outcomes: the same "
+    heading += "completed, refused and event counts):"
+    return "\n".join(["", heading, "", *lines])
 
 
 if __name__ == "__main__":

@@ -107,6 +107,7 @@ async def _dispatch_order_of_highs_sent_after_a_low_flood(
     return [i for i, request_id in enumerate(order) if request_id.startswith("high-")]
 
 
+@pytest.mark.spies  # traces the gateway queue's pops by replacing the method
 @pytest.mark.asyncio
 async def test_high_priority_overtakes_a_low_flood_and_fifo_does_not(tmp_path: Path) -> None:
     profile = flat_profile(tmp_path / "flat.json", BATCH_MS)
@@ -123,6 +124,7 @@ async def test_high_priority_overtakes_a_low_flood_and_fifo_does_not(tmp_path: P
     assert fifo == [100, 101, 102, 103]
 
 
+@pytest.mark.spies  # traces the gateway queue's pops by replacing the method
 @pytest.mark.asyncio
 async def test_aged_low_request_finishes_within_the_bound_under_constant_high_load(
     tmp_path: Path,

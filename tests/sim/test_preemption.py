@@ -115,6 +115,7 @@ FLOOD.append(Arrival(0.5, 10, 5, None, "light"))
 LIGHT = str(len(FLOOD) - 1)
 
 
+@pytest.mark.spies  # replaces a method of the simulation to watch it
 @pytest.mark.parametrize("on", [True, False])
 def test_a_light_request_pauses_a_flood_sequence_instead_of_waiting_for_one_to_end(
     on: bool,
@@ -152,6 +153,7 @@ def test_a_light_request_pauses_a_flood_sequence_instead_of_waiting_for_one_to_e
         assert not run.simulation.recorder.preempted
 
 
+@pytest.mark.spies  # replaces a method of the simulation to watch it
 def test_the_request_goes_to_the_replica_holding_most_of_the_victims() -> None:
     """2 replicas of 2 slots: light's long request lands on the first, heavy's three on
     the second (2) and the first (1). Light's second (under its share of 2, heavy 1 over)
@@ -171,6 +173,7 @@ def test_the_request_goes_to_the_replica_holding_most_of_the_victims() -> None:
     assert [w.num_preempted for w in run.workers()] == [0, 1]
 
 
+@pytest.mark.spies  # replaces a method of the simulation to watch it
 def test_a_drained_replica_keeps_its_paused_sequence_which_resumes_and_ends_there() -> None:
     """2 replicas of 4 slots, heavy's ten fill them (two wait at the gateway); light pauses
     one of heavy's on the first at t=0.51; that replica is drained at 0.515. The paused
@@ -240,6 +243,7 @@ def test_with_none_of_the_victims_where_the_request_may_go_it_waits_for_a_slot()
     assert 0.1 + (records["4"].wait_s or 0.0) == pytest.approx(mid_end)
 
 
+@pytest.mark.spies  # replaces a method of the simulation to watch it
 def test_a_batch_worker_sent_a_preempting_request_just_queues_it() -> None:
     """Embeddings, one replica of 2 slots: heavy's flood holds both, light's request comes
     as if sent to pause one of heavy's (the gateway's queue never preempts for embeddings:
@@ -306,6 +310,7 @@ def test_a_batch_worker_sent_a_preempting_request_just_queues_it() -> None:
         max_size=30,
     ),
 )
+@pytest.mark.spies  # replaces a method of the simulation to watch it
 def test_with_preemption_every_request_ends_once_with_all_its_tokens(
     replicas: int, max_num_seqs: int, budget: int, arrivals: list[tuple[float, int, int, str]]
 ) -> None:
@@ -326,6 +331,7 @@ def _records(run: _Run) -> list[RequestRecord]:
     return sorted(run.records.values(), key=lambda record: int(record.id))
 
 
+@pytest.mark.spies  # replaces a method of the simulation to watch it
 def test_preemption_off_runs_as_before_it() -> None:
     """The flag off and a config without it: the same records."""
     plain = _Run(config_of(_generation()), FLOOD)

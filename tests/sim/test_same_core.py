@@ -115,6 +115,7 @@ def test_the_simulator_holds_the_core_objects() -> None:
     assert tidegate.sim.workers.plan_batch is tidegate.core.batching.plan_batch
 
 
+@pytest.mark.spies  # counts the core's calls by patching its classes
 def test_a_run_makes_every_decision_through_the_core(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: dict[str, int] = {"admit": 0, "pop": 0, "plan_batch": 0, "pick_replica": 0}
 

@@ -43,8 +43,8 @@ def render_config(config: TidegateConfig) -> str:
             }
             for name, pool in config.pools.items()
         },
-        "devices": [
-            {"id": device.id, "memory_mb": device.memory_mb, "node": device.node}
+        "devices": [  # memory_mb: an int in the file; core.placement keeps a float
+            {"id": device.id, "memory_mb": int(device.memory_mb), "node": device.node}
             for device in config.devices
         ],
         "controller": render_controller(config.controller),

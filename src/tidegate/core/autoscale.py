@@ -431,7 +431,9 @@ def _normalize(tick: _Tick, state: ScaleState) -> tuple[ScaleDecision, ScaleStat
     up, down = tick.config.scale_up, tick.config.scale_down
     window = stabilize(recommendation, tick.current, state.recommendations, up, down, tick.now)
     limited = _rate_limit(window.replicas, tick, state)
-    clamps = (ScaleReason.STABILIZED,) if window.replicas != recommendation else ()
+    clamps: tuple[ScaleReason, ...] = ()
+    if window.replicas != recommendation:
+        clamps = (ScaleReason.STABILIZED,)
     if limited.clamp is not None:
         clamps = (*clamps, limited.clamp)
     decision = replace(

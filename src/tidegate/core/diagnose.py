@@ -492,7 +492,7 @@ def rule_autoscale_stuck(m: ModelWindow, s: Snapshot, t: Thresholds) -> Finding 
             f"target_per_replica {target:g}"
         )
         fix = "lower target_per_replica to what one replica serves within its SLO"
-        new_target = max(1.0, math.floor(m.signal / 2))
+        new_target = max(1, math.floor(m.signal / 2))  # an int in the diff, compiled or not
         changes = (_change(m.model, cfg, ("autoscaling", "target_per_replica"), new_target),)
     else:
         return None  # the signal asks for more: a decision is pending, not stuck

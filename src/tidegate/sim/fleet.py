@@ -191,5 +191,5 @@ class Fleet:
         return tuple(replica.status() for replica in self.live.values())
 
     def replica_seconds(self, until: float) -> float:
-        held = sum(max(0.0, until - r.started_at) for r in self.live.values())
-        return held + sum((r.stopped_at or until) - r.started_at for r in self.stopped)
+        held = sum((max(0.0, until - r.started_at) for r in self.live.values()), 0.0)
+        return held + sum(((r.stopped_at or until) - r.started_at for r in self.stopped), 0.0)
