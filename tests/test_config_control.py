@@ -731,6 +731,21 @@ def test_engine_threads_go_to_the_workers_and_render_back() -> None:
     assert "--engine-threads" not in worker_command(default)
 
 
+def test_upstream_workers_render_back_and_is_only_for_openai_models() -> None:
+    config = parse({"models": [{**UPSTREAM, "upstream_workers": True}]})
+    spec = config.model(UPSTREAM["name"])
+    assert spec.upstream_workers
+    assert spec.tidegate_workers
+    again = parse(yaml.safe_load(render_config(config))).model(UPSTREAM["name"])
+    assert again.upstream_workers
+    assert not parse({"models": [UPSTREAM]}).model(UPSTREAM["name"]).tidegate_workers
+    assert parse({"models": [GEN]}).model("gen").tidegate_workers  # started here
+    with pytest.raises(ConfigError) as caught:
+        parse({"models": [{**GEN, "upstream_workers": True}]})
+    assert caught.value.key == "models[0].upstream_workers"
+    assert "remove upstream_workers" in str(caught.value).split("Fix: ")[1]
+
+
 @pytest.mark.parametrize(
     ("entry", "fix"),
     [

@@ -329,7 +329,9 @@ def test_gateway_config_points_every_model_at_its_service(
         assert model.autoscaling is None
         if not original.local:
             assert model.upstreams == original.upstreams
+            assert model.upstream_workers == original.upstream_workers
             continue
+        assert model.upstream_workers  # behind the Service: tidegate workers, sent the tenant
         (url,) = model.upstreams
         host, port = url.removeprefix("http://").split(":")
         service, namespace = host.split(".")[:2]

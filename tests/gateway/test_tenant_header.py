@@ -1,6 +1,8 @@
 """The gateway tells tidegate's own generation workers whose request it is
 (``X-Tidegate-Tenant``, next to ``X-Tidegate-Priority``): their sequence queue shares a
-level by it. Not to an ``openai`` upstream, and not for the anonymous tenant.
+level by it. Not to an ``openai`` upstream unless it says its upstreams are tidegate workers
+(``upstream_workers``, as a gateway rendered for Kubernetes does), and not for the anonymous
+tenant.
 
 The replica is a raw asyncio server in this process that records each request's head.
 """
@@ -48,6 +50,7 @@ async def gateway_to(url: str, model: dict[str, Any]) -> AsyncIterator[httpx.Asy
 
 
 LOCAL = {"name": "gen", "task": "generate", "engine": "simulated", "replicas": 0}
+OPENAI = {"name": "gen", "task": "generate", "engine": "openai"}
 
 
 @pytest.mark.parametrize(
@@ -55,9 +58,19 @@ LOCAL = {"name": "gen", "task": "generate", "engine": "simulated", "replicas": 0
     [
         (LOCAL, {"X-Tenant": "team-a"}, b"x-tidegate-tenant: team-a\r\n"),
         (LOCAL, {}, None),  # the anonymous tenant: no header
-        ({"name": "gen", "task": "generate", "engine": "openai"}, {"X-Tenant": "team-a"}, None),
+        (OPENAI, {"X-Tenant": "team-a"}, None),
+        (
+            {**OPENAI, "upstream_workers": True},
+            {"X-Tenant": "team-a"},
+            b"x-tidegate-tenant: team-a\r\n",
+        ),
     ],
-    ids=["own_worker_gets_the_tenant", "anonymous_sends_none", "openai_upstream_gets_none"],
+    ids=[
+        "own_worker_gets_the_tenant",
+        "anonymous_sends_none",
+        "openai_upstream_gets_none",
+        "upstream_workers_get_the_tenant",
+    ],
 )
 @pytest.mark.asyncio
 async def test_the_tenant_goes_to_tidegates_own_workers_only(
@@ -79,3 +92,24 @@ async def test_the_tenant_goes_to_tidegates_own_workers_only(
         assert b"x-tidegate-tenant" not in head
     else:
         assert forwarded in head
+
+
+@pytest.mark.parametrize(
+    ("model", "status"),
+    [(OPENAI, 200), ({**OPENAI, "upstream_workers": True}, 400)],
+    ids=["openai_upstream_takes_n_2", "upstream_workers_refuse_it_at_the_gateway"],
+)
+@pytest.mark.asyncio
+async def test_requests_to_upstream_workers_are_checked_with_the_workers_schema(
+    model: dict[str, Any], status: int
+) -> None:
+    """``n: 2`` is valid OpenAI but not what a tidegate worker serves: refused before it
+    queues when the upstreams are tidegate workers, passed on to any other upstream."""
+    async with replica(chat_answer) as rep:
+        async with gateway_to(rep.url, {**model, "upstreams": [rep.url]}) as client:
+            answer = await client.post(
+                "/v1/chat/completions",
+                json={"model": "gen", "n": 2, "messages": [{"role": "user", "content": "hi"}]},
+            )
+        assert answer.status_code == status, answer.text
+        assert len(rep.requests) == (1 if status == 200 else 0)

@@ -104,6 +104,8 @@ def _render_model(model: ModelSpec, levels: tuple[str, ...]) -> dict[str, Any]:
         out["replicas"] = dict(model.replicas)
     else:
         out["upstreams"] = _render_upstreams(model)
+        if model.upstream_workers:
+            out["upstream_workers"] = True
     out["pools"] = list(model.pools)
     out["slots"] = model.slots
     out["batching"] = {

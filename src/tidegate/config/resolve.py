@@ -427,6 +427,7 @@ class _Resolver:
             probe_max_ms=m.probe_max_ms,
             engine_process=m.engine_process,
             engine_threads=m.engine_threads,
+            upstream_workers=m.upstream_workers,
             upstream_keys=upstream_keys if any(upstream_keys) else (),
             routing=self._routing(m.routing, f"{key}.routing", task),
         )
@@ -454,6 +455,13 @@ class _Resolver:
                 "engine_process is only for embedding models served by tidegate's own workers "
                 f"(this model: task {task}, engine {m.engine})",
                 "remove engine_process",
+            )
+        if m.upstream_workers and m.engine != "openai":
+            self.fail(
+                f"{key}.upstream_workers",
+                "upstream_workers says an openai model's upstreams are tidegate workers; "
+                f"this model's engine is {m.engine}, its workers are tidegate's already",
+                "remove upstream_workers",
             )
         if m.engine_threads is not None and m.engine == "openai":
             self.fail(

@@ -177,6 +177,7 @@ class _ModelIn(_Strict):
     pools: Annotated[list[str], Field(min_length=1)] | None = None
     # URLs, or {url, api_key_env} mappings: checked by _Resolver for a clear message
     upstreams: list[Any] = Field(default_factory=list)
+    upstream_workers: bool = False  # openai: the upstreams are `tidegate worker`s
     slots: PositiveInt | None = None
     batching: _BatchingIn | None = None
     queue: _QueueIn | None = None

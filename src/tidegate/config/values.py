@@ -174,6 +174,9 @@ class ModelSpec:
     # per upstream (same order as ``upstreams``): its API key, or None; () when none has one
     upstream_keys: tuple[UpstreamKey | None, ...] = ()
     routing: RoutingSpec = RoutingSpec()
+    # engine openai: its upstreams are `tidegate worker`s (as `tidegate k8s render` wires a
+    # gateway to its workers' Service): they are sent the tenant like tidegate's own workers
+    upstream_workers: bool = False
 
     def upstream_key(self, index: int) -> UpstreamKey | None:
         """The API key of ``upstreams[index]``, or None when it needs none."""
@@ -183,6 +186,11 @@ class ModelSpec:
     def local(self) -> bool:
         """Its replicas are worker processes tidegate starts (not static upstreams)."""
         return self.engine != "openai"
+
+    @property
+    def tidegate_workers(self) -> bool:
+        """Its replicas are ``tidegate worker``s: started here, or upstreams said to be."""
+        return self.local or self.upstream_workers
 
     @property
     def upstream_pool(self) -> str:

@@ -67,6 +67,7 @@ def gateway_config(
                 replicas=MappingProxyType({}),
                 pools=services[name].pools,
                 upstreams=(services[name].url,),
+                upstream_workers=True,  # behind the Service: tidegate workers (the tenant)
                 slots=_gateway_slots(model, options.gateway_replicas),
                 autoscaling=None,
                 # the workers' own (their Deployment's flags): an openai upstream refuses it

@@ -217,7 +217,7 @@ async def _admit_and_forward(
     named = gateway.config.models.get(name) if isinstance(name, str) else None
     schemas = (
         wire.UPSTREAM_REQUEST_OF_PATH
-        if named is not None and not named.local
+        if named is not None and not named.tidegate_workers
         else wire.REQUEST_OF_PATH
     )
     parsed = wire.parse(schemas[path], payload)
@@ -260,7 +260,7 @@ async def _admit_and_forward(
         "x-tidegate-priority": worker_level,
         "x-request-id": call.rid,
     }
-    if tenant and spec.local and task == "generate":
+    if tenant and spec.tidegate_workers and task == "generate":
         headers[TENANT_HEADER] = tenant  # its sequence queue shares a level by it (fairness)
     connect_failures = 0
     while True:
