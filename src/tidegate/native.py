@@ -168,6 +168,15 @@ def _build(build_dir: Path) -> None:
             str(build_dir / "tmp"),
         ],
     )
+    # setuptools relinks nothing whose C is unchanged (mypyc rewrites a C file only when
+    # it changes) and copies the old extension in with its old time: mark the build as of
+    # now, or a source merely touched since would read as stale forever
+    for source in compiled_sources():
+        extension = _extension_of(source)
+        if extension is not None:
+            os.utime(extension)
+    for shared in root.glob("*__mypyc" + "*"):
+        os.utime(shared)
 
 
 def main(argv: Sequence[str]) -> int:

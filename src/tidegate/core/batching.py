@@ -132,7 +132,7 @@ class BatchConfig:
         return self.batch_window_ms
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class BatchView:
     """What the planner sees: the head of the queue in pick order, its size, and load."""
 
@@ -140,6 +140,19 @@ class BatchView:
     num_queued: int
     arrival_rate_per_s: float | None = None  # load-aware window: arrivals/s, None: unknown
     max_batch_size: int | None = None  # the adaptive cap; None: config.max_batch_size
+
+    # written out for a compiled build, as Request's __init__ (core/request.py)
+    def __init__(
+        self,
+        head: Sequence[Request],
+        num_queued: int,
+        arrival_rate_per_s: float | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
+        object.__setattr__(self, "head", head)
+        object.__setattr__(self, "num_queued", num_queued)
+        object.__setattr__(self, "arrival_rate_per_s", arrival_rate_per_s)
+        object.__setattr__(self, "max_batch_size", max_batch_size)
 
 
 @dataclass(frozen=True, slots=True)

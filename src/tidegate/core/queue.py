@@ -122,19 +122,36 @@ class QueueConfig:
         raise ValueError(f"unknown priority {name!r}; expected one of: {valid}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Admitted:
     request: Request
     deadline_at: float | None  # the earlier of the request's own deadline and its level timeout
     shed: tuple[Request, ...] = ()  # evicted to make room: each ends as SHED
 
+    # written out for a compiled build, as Request's __init__ (core/request.py)
+    def __init__(
+        self, request: Request, deadline_at: float | None, shed: tuple[Request, ...] = ()
+    ) -> None:
+        object.__setattr__(self, "request", request)
+        object.__setattr__(self, "deadline_at", deadline_at)
+        object.__setattr__(self, "shed", shed)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, init=False)
 class Rejected:
     request: Request
     reason: RequestState  # REJECTED_FULL, REJECTED_DEADLINE or REJECTED_HOLDBACK
     retry_after_s: float | None  # predicted time until the work ahead has drained, if known
     message: str
+
+    # written out for a compiled build, as Request's __init__ (core/request.py)
+    def __init__(
+        self, request: Request, reason: RequestState, retry_after_s: float | None, message: str
+    ) -> None:
+        object.__setattr__(self, "request", request)
+        object.__setattr__(self, "reason", reason)
+        object.__setattr__(self, "retry_after_s", retry_after_s)
+        object.__setattr__(self, "message", message)
 
 
 Admission = Admitted | Rejected

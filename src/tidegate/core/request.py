@@ -70,7 +70,7 @@ def advance(current: RequestState, target: RequestState) -> RequestState:
     return target
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Request:
     """What the scheduler knows about one call.
 
@@ -86,8 +86,30 @@ class Request:
     attempt: int = field(default=0, compare=False)  # 1 on the retry after a replica crash
     tenant: str = ""  # who it is for (fair sharing inside a level); "": the anonymous tenant
 
-    def __post_init__(self) -> None:
-        if self.priority < 0:
-            raise ValueError(f"request {self.id}: priority must be >= 0, got {self.priority}")
-        if self.cost_tokens < 0:
-            raise ValueError(f"request {self.id}: cost_tokens must be >= 0")
+    # Written out (``init=False``), as for the core's other per-request objects: a compiled
+    # build (tidegate.native) runs it natively, where the dataclass-made one stays interpreted
+    # (~15x slower per object there). Same fields, order and defaults as declared above.
+    def __init__(
+        self,
+        id: str,
+        model: str,
+        priority: int,
+        arrival_at: float,
+        deadline_at: float | None = None,
+        cost_tokens: int = 1,
+        attempt: int = 0,
+        tenant: str = "",
+    ) -> None:
+        if priority < 0:
+            raise ValueError(f"request {id}: priority must be >= 0, got {priority}")
+        if cost_tokens < 0:
+            raise ValueError(f"request {id}: cost_tokens must be >= 0")
+        assign = object.__setattr__
+        assign(self, "id", id)
+        assign(self, "model", model)
+        assign(self, "priority", priority)
+        assign(self, "arrival_at", arrival_at)
+        assign(self, "deadline_at", deadline_at)
+        assign(self, "cost_tokens", cost_tokens)
+        assign(self, "attempt", attempt)
+        assign(self, "tenant", tenant)

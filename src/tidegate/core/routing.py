@@ -36,13 +36,21 @@ class PoolSpec:
     priorities: frozenset[int]  # levels this pool serves
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class ReplicaView:
     id: str
     pool: str
     ready: bool
     in_flight: int
     slots: int  # requests it accepts at once: its engine's batching capacity
+
+    # written out for a compiled build, as Request's __init__ (core/request.py)
+    def __init__(self, id: str, pool: str, ready: bool, in_flight: int, slots: int) -> None:
+        object.__setattr__(self, "id", id)
+        object.__setattr__(self, "pool", pool)
+        object.__setattr__(self, "ready", ready)
+        object.__setattr__(self, "in_flight", in_flight)
+        object.__setattr__(self, "slots", slots)
 
     @property
     def load(self) -> float:
