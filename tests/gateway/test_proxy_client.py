@@ -14,7 +14,14 @@ from contextlib import asynccontextmanager
 import pytest
 
 from tidegate.errors import ReplicaFailed
-from tidegate.gateway.proxy import ConnectFailed, NoAnswer, ReplicaGone, ReplicaPool, forward
+from tidegate.gateway.proxy import (
+    ConnectFailed,
+    CutAnswer,
+    NoAnswer,
+    ReplicaGone,
+    ReplicaPool,
+    forward,
+)
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 JSON = b"content-type: application/json\r\n"
@@ -229,7 +236,31 @@ async def test_a_replica_that_dies_before_answering_sends_the_request_elsewhere(
     "answer",
     [
         b'HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n{"cut',  # cut mid-body
-        b"NOT HTTP AT ALL\r\n\r\n",  # not a response
+        b"HTTP/1.1 200 OK\r\ncontent-len",  # cut inside the head
+    ],
+    ids=["in_the_body", "in_the_head"],
+)
+async def test_a_whole_answer_cut_off_is_retried_elsewhere(answer: bytes) -> None:
+    """The replica (or its node) went while it wrote a whole answer: the gateway passes
+    such an answer on only once complete, so nothing reached the client and the request
+    may go to another replica (CutAnswer, a NoAnswer: counted against this one)."""
+
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    pool = ReplicaPool()
+    async with replica(cut) as rep:
+        with pytest.raises(CutAnswer) as caught:
+            await forward(pool, rep.url, "/v1/embeddings", b"{}", {}, stream=False)
+        assert not isinstance(caught.value, ReplicaGone)
+    await pool.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
         b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n",  # a bad length
     ],
 )

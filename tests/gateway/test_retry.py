@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.gateway.harness import flat_profile, gateway_client, sim_config, sim_worker
+from tests.gateway.test_proxy_client import replica
 from tidegate.core.queue import QueueConfig
 from tidegate.core.request import Request
 from tidegate.core.routing import PoolSpec
@@ -88,3 +90,27 @@ async def test_a_second_retry_avoids_every_replica_that_failed_the_request() -> 
     assert second is not first
     third = dispatcher.retry(again, second).assigned.result()
     assert third is healthy
+
+
+@pytest.mark.asyncio
+async def test_an_answer_cut_off_mid_body_is_answered_by_another_replica(tmp_path: Path) -> None:
+    """A replica whose node went while it wrote an embeddings answer (the head out, the
+    body cut): the client gets the other replica's answer, not a 502 (the node-loss e2e on
+    Ray under load once saw one such 502), and the cut counts against the first replica."""
+
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(b'HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{"object": "li')
+        await writer.drain()
+        writer.close()
+
+    profile = flat_profile(tmp_path / "flat.json", 1.0)
+    async with replica(cut) as dying:
+        with sim_worker(profile) as worker:
+            data = sim_config(worker.url)
+            async with gateway_client(data, [dying.url, worker.url], 1) as (client, gateway):
+                cutting, alive = gateway.replicas["sim"]
+                response = await client.post("/v1/embeddings", json={"model": "sim", "input": "x"})
+                assert response.status_code == 200, response.text
+                assert len(dying.requests) == 1  # r0 (least loaded, first id) took it first
+                assert cutting.outlier.consecutive_failures == 1
+                assert cutting.in_flight == alive.in_flight == 0

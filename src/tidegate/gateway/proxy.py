@@ -63,6 +63,12 @@ class NoAnswer(ConnectFailed):
     streaming are retried once); the replica's outlier record counts it."""
 
 
+class CutAnswer(NoAnswer):
+    """The connection broke inside a whole (not streamed) answer, after its head: the
+    replica crashed or its node went while it wrote. The gateway passes a whole answer on
+    only once it has all of it, so nothing reached the client: retried as ``NoAnswer``."""
+
+
 @dataclass
 class Forwarded:
     status: int
@@ -300,7 +306,9 @@ async def forward(
                 # failure of the replica, and no answer came. Another connection takes it.
                 raise ReplicaGone(f"{url}: kept-alive connection closed: {exc}") from exc
             raise NoAnswer(f"{url}: closed without answering: {exc}") from exc
-        if isinstance(exc, OSError | httptools.HttpParserError):
+        if isinstance(exc, OSError):  # inside the head: nothing of it reached the client
+            raise CutAnswer(f"{url}: the answer broke off in its head: {exc}") from exc
+        if isinstance(exc, httptools.HttpParserError):
             log.warning("replica at %s failed: %s: %s", url, type(exc).__name__, exc)
             raise ReplicaFailed("the replica failed before it answered") from exc
         raise
@@ -313,7 +321,9 @@ async def forward(
             await conn.done
         except BaseException as exc:
             conn.close()
-            if isinstance(exc, OSError | httptools.HttpParserError):
+            if isinstance(exc, OSError):
+                raise CutAnswer(f"{url}: the answer broke off after its head: {exc}") from exc
+            if isinstance(exc, httptools.HttpParserError):
                 log.warning("replica at %s failed mid-response: %s", url, exc)
                 raise ReplicaFailed("the replica failed while it answered") from exc
             raise
