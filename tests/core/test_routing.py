@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from tidegate.core.routing import PoolSpec, ReplicaView, pick_replica, serves
+from tidegate.core.routing import PoolSpec, ReplicaView, least_loaded, pick_replica, serves
 
 POOLS = {
     "dedicated": PoolSpec("dedicated", frozenset({0})),
@@ -140,3 +142,24 @@ def test_servable_levels(replicas: list[ReplicaView], expected: set[int]) -> Non
     from tidegate.core.routing import servable_levels
 
     assert servable_levels(replicas, POOLS) == expected
+
+
+VIEWS = st.lists(
+    st.builds(
+        ReplicaView,
+        id=st.sampled_from(["r0", "r1", "r2", "r10", "a"]),
+        pool=st.just("p"),
+        ready=st.just(True),
+        in_flight=st.integers(0, 8),
+        slots=st.integers(0, 8),  # 0 slots: load inf
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@given(VIEWS)
+def test_least_loaded_is_the_minimum_by_load_then_id(views: list[ReplicaView]) -> None:
+    best = least_loaded(views)
+    assert (best.load, best.id) == min((view.load, view.id) for view in views)
+    assert best is min(views, key=lambda view: (view.load, view.id))

@@ -24,7 +24,7 @@ ring walk and the bound are what keep several gateways from piling onto one repl
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tidegate.core.prefix import PrefixAffinity, build_ring, pick_by_prefix
@@ -62,6 +62,8 @@ class ReplicaView:
 
 
 DEFAULT_POWER_OF_TWO_ABOVE = 16
+# what callers pass, tested before the Collection ABC, whose check is slow per dispatch
+_SCANNABLE: tuple[type, ...] = (list, tuple, type({}.values()))
 
 
 def eligible_replicas(
@@ -112,7 +114,7 @@ def pick_replica(
     ``prefix_key``, the key's replica among those (bounded load) instead of the least loaded;
     the ring spans every replica in ``replicas``, so a full one keeps its keys for later.
     """
-    if not isinstance(replicas, Collection):
+    if not isinstance(replicas, _SCANNABLE) and not isinstance(replicas, Collection):
         replicas = list(replicas)  # it may be scanned twice
     candidates = eligible_replicas(replicas, priority, pools)
     if not candidates and aged_level is not None and aged_level < priority:
@@ -126,7 +128,7 @@ def pick_replica(
         # Why sample: a full scan per request costs O(replicas) and sends every gateway copy
         # to the same least-loaded replica at once; two random choices avoid both.
         candidates = random.Random(choice_key).sample(candidates, 2)
-    return min(candidates, key=_load_then_id)
+    return least_loaded(candidates)
 
 
 def servable_levels(
@@ -146,5 +148,13 @@ def servable_levels(
     return frozenset(levels)
 
 
-def _load_then_id(replica: ReplicaView) -> tuple[float, str]:
-    return (replica.load, replica.id)
+def least_loaded(candidates: Sequence[ReplicaView]) -> ReplicaView:
+    """The least loaded of ``candidates`` (at least one), ties to the smallest id: what
+    ``min`` by ``(load, id)`` gives, without a key tuple per replica on every dispatch."""
+    best = candidates[0]
+    best_load = best.load
+    for replica in candidates:
+        load = replica.load
+        if load < best_load or (load == best_load and replica.id < best.id):
+            best, best_load = replica, load
+    return best
