@@ -163,3 +163,48 @@ def test_least_loaded_is_the_minimum_by_load_then_id(views: list[ReplicaView]) -
     best = least_loaded(views)
     assert (best.load, best.id) == min((view.load, view.id) for view in views)
     assert best is min(views, key=lambda view: (view.load, view.id))
+
+
+MANY_POOLS = {
+    "high": PoolSpec("high", frozenset({0})),
+    "shared": PoolSpec("shared", frozenset({0, 1, 2})),
+    "low": PoolSpec("low", frozenset({2})),
+}
+MIXED_VIEWS = st.lists(
+    st.builds(
+        ReplicaView,
+        id=st.sampled_from(["r0", "r1", "r2", "r3"]),
+        pool=st.sampled_from([*MANY_POOLS, "gone"]),  # "gone": a pool no longer configured
+        ready=st.booleans(),
+        in_flight=st.integers(0, 3),
+        slots=st.integers(0, 3),
+    ),
+    max_size=10,
+)
+
+
+@given(MIXED_VIEWS)
+def test_servable_levels_is_the_union_over_free_replicas(views: list[ReplicaView]) -> None:
+    from tidegate.core.routing import servable_levels
+
+    expected: set[int] = set()
+    for view in views:
+        if view.has_free_slot and view.pool in MANY_POOLS:
+            expected |= MANY_POOLS[view.pool].priorities
+    assert servable_levels(views, MANY_POOLS) == expected
+
+
+@given(MIXED_VIEWS, st.integers(0, 2), st.none() | st.integers(0, 2))
+def test_eligible_replicas_are_free_ones_of_pools_serving_the_level(
+    views: list[ReplicaView], priority: int, aged: int | None
+) -> None:
+    from tidegate.core.routing import eligible_replicas
+
+    expected = [
+        view
+        for view in views
+        if view.has_free_slot
+        and view.pool in MANY_POOLS
+        and serves(MANY_POOLS[view.pool], priority, aged)
+    ]
+    assert eligible_replicas(views, priority, MANY_POOLS, aged) == expected

@@ -155,11 +155,17 @@ class BatchView:
         object.__setattr__(self, "max_batch_size", max_batch_size)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Release:
     batch: tuple[Request, ...]  # in pick order
     reason: str  # one of RELEASE_REASONS
     is_prefix: bool = True  # the batch is the first len(batch) of the view's head
+
+    # written out for a compiled build, as Request's __init__ (core/request.py)
+    def __init__(self, batch: tuple[Request, ...], reason: str, is_prefix: bool = True) -> None:
+        object.__setattr__(self, "batch", batch)
+        object.__setattr__(self, "reason", reason)
+        object.__setattr__(self, "is_prefix", is_prefix)
 
 
 @dataclass(frozen=True, slots=True)

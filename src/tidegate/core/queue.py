@@ -847,7 +847,8 @@ class WaitQueue:
         chosen: list[_Entry] = []
         tokens = 0
         while heads and len(chosen) < n:
-            best = min(heads)
+            index = _smallest_key(heads)  # what min(heads) is (keys are unique), by position
+            best = heads[index]
             entry = best[2]
             cost = entry.request.cost_tokens
             if max_tokens is not None and chosen and tokens + cost > max_tokens:
@@ -855,7 +856,6 @@ class WaitQueue:
             chosen.append(entry)
             tokens += cost
             following = _next_alive(best[3])
-            index = heads.index(best)
             if following is None or not self._eligible(following, targets[best[1]], now):
                 del heads[index]
             else:
@@ -1065,6 +1065,24 @@ def _first_untaken(fifo: deque[_Entry], taken: set[int] | frozenset[int]) -> _En
         if entry.alive and entry.seq not in taken:
             return entry
     return None
+
+
+def _smallest_key(
+    heads: list[tuple[tuple[float, float, int], int, _Entry, Iterator[_Entry]]],
+) -> int:
+    """The position of the head with the smallest key: ``min`` and ``index`` in one scan
+    that compares keys only (a compiled build boxes each whole candidate for those two)."""
+    index = 0
+    best_priority, best_arrival, best_seq = heads[0][0]
+    for position in range(1, len(heads)):
+        priority, arrival, seq = heads[position][0]
+        # the tuples' order, spelled out: compiled, these are float and int comparisons
+        if priority < best_priority or (
+            priority == best_priority
+            and (arrival < best_arrival or (arrival == best_arrival and seq < best_seq))
+        ):
+            index, best_priority, best_arrival, best_seq = position, priority, arrival, seq
+    return index
 
 
 def _next_alive(cursor: Iterator[_Entry]) -> _Entry | None:

@@ -73,13 +73,8 @@ def eligible_replicas(
     aged_level: int | None = None,
 ) -> list[ReplicaView]:
     """Ready replicas with a free slot in pools that serve ``priority`` (aged: see serves)."""
-    return [
-        replica
-        for replica in replicas
-        if replica.has_free_slot
-        and replica.pool in pools
-        and serves(pools[replica.pool], priority, aged_level)
-    ]
+    serving = {name for name, pool in pools.items() if serves(pool, priority, aged_level)}
+    return [replica for replica in replicas if replica.pool in serving and replica.has_free_slot]
 
 
 def serves(pool: PoolSpec, priority: int, aged_level: int | None = None) -> bool:
@@ -142,9 +137,15 @@ def servable_levels(
     shared pool, and low work lands there only once it has aged to high.
     """
     levels: set[int] = set()
+    seen: set[str] = set()  # pools whose levels are in: the scan ends once every pool is
     for replica in replicas:
-        if replica.has_free_slot and replica.pool in pools:
-            levels |= pools[replica.pool].priorities
+        pool = replica.pool
+        if pool in seen or pool not in pools or not replica.has_free_slot:
+            continue
+        levels |= pools[pool].priorities
+        seen.add(pool)
+        if len(seen) == len(pools):
+            break
     return frozenset(levels)
 
 
