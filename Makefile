@@ -70,7 +70,7 @@ unit: $(VENV)/.installed-dev system-packages
 	TIDEGATE_PURE_PYTHON=1 $(BIN)/pytest $(PYTEST_ARGS)
 
 # The optional compiled build (src/tidegate/native.py): `make compiled` writes it beside the
-# sources (about a minute here; the simulator ~3x faster), `make pure` removes it.
+# sources (about a minute here; the simulator 3-5x faster), `make pure` removes it.
 # native-check builds a copy of src under build/ and runs the core's and the simulator's
 # tests on it (about 80 s), leaving src as it was: mypyc checks at run time what the
 # interpreter does not. Tests marked `spies` patch methods, which compiled callers ignore.
