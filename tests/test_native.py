@@ -104,3 +104,13 @@ def test_a_stale_build_refuses_to_import_and_names_the_file_and_the_fix(tmp_path
         assert any(isinstance(finder, native.SourceFirst) for finder in sys.meta_path)
     finally:
         sys.meta_path[:] = before
+
+
+def test_without_a_c_compiler_it_says_no_build_can_be_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no compiler on it
+    reason = native.missing_toolchain()
+    assert reason is not None
+    assert "no C compiler" in reason
+    assert native.main(["can-build"]) == 1

@@ -179,6 +179,20 @@ def _build(build_dir: Path) -> None:
         os.utime(shared)
 
 
+def missing_toolchain() -> str | None:
+    """Why no build can be made here (no C compiler, no Python headers), or None."""
+    import shutil
+    import sysconfig
+
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        return f"no C compiler ({compiler}) on PATH"
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.exists():
+        return f"no Python headers ({headers})"
+    return None
+
+
 def main(argv: Sequence[str]) -> int:
     command = argv[0] if argv else "status"
     if command == "build":
@@ -187,12 +201,17 @@ def main(argv: Sequence[str]) -> int:
         print(f"compiled {len(compiled_modules())} modules with mypyc")
     elif command == "clean":
         print(f"removed {_remove_build()} compiled files")
+    elif command == "can-build":
+        reason = missing_toolchain()
+        if reason is not None:
+            print(f"no compiled build can be made here: {reason}")
+            return 1
     elif command == "status":
         found = compiled_modules()
         stale = stale_sources()
         print(f"compiled: {len(found)} of {len(compiled_sources())} modules; stale: {len(stale)}")
     else:
-        print("usage: python -m tidegate.native build [BUILD_DIR] | clean | status")
+        print("usage: python -m tidegate.native build [BUILD_DIR] | clean | status | can-build")
         return 2
     return 0
 
