@@ -216,43 +216,32 @@ async def test_a_kept_alive_connection_closed_unanswered_goes_to_another() -> No
     await pool.close()
 
 
-async def test_a_replica_that_dies_before_answering_sends_the_request_elsewhere() -> None:
-    """A new connection closed without a byte of answer (the replica crashed, its node
-    went): nothing reached the client, so it is retried once elsewhere, and it counts
-    against the replica (NoAnswer, not ReplicaGone)."""
-
-    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        writer.close()
-
-    pool = ReplicaPool()
-    async with replica(drop) as rep:
-        with pytest.raises(NoAnswer) as caught:
-            await forward(pool, rep.url, "/v1/embeddings", b"{}", {}, stream=False)
-        assert not isinstance(caught.value, ReplicaGone)
-    await pool.close()
-
-
 @pytest.mark.parametrize(
-    "answer",
+    ("answer", "raised"),
     [
-        b'HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n{"cut',  # cut mid-body
-        b"HTTP/1.1 200 OK\r\ncontent-len",  # cut inside the head
+        (b"", NoAnswer),  # closed without a byte
+        (b'HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n{"cut', CutAnswer),  # mid-body
+        (b"HTTP/1.1 200 OK\r\ncontent-len", CutAnswer),  # inside the head
     ],
-    ids=["in_the_body", "in_the_head"],
+    ids=["no_byte", "cut_in_the_body", "cut_in_the_head"],
 )
-async def test_a_whole_answer_cut_off_is_retried_elsewhere(answer: bytes) -> None:
-    """The replica (or its node) went while it wrote a whole answer: the gateway passes
-    such an answer on only once complete, so nothing reached the client and the request
-    may go to another replica (CutAnswer, a NoAnswer: counted against this one)."""
+async def test_a_replica_that_dies_before_a_whole_answer_sends_the_request_elsewhere(
+    answer: bytes, raised: type[NoAnswer]
+) -> None:
+    """A new connection closed before a whole answer came (the replica crashed, its node
+    went): the gateway passes a whole answer on only once complete, so nothing reached the
+    client; it is retried elsewhere and counts against the replica (a NoAnswer, not
+    ReplicaGone)."""
 
     async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        writer.write(answer)
-        await writer.drain()
+        if answer:
+            writer.write(answer)
+            await writer.drain()
         writer.close()
 
     pool = ReplicaPool()
     async with replica(cut) as rep:
-        with pytest.raises(CutAnswer) as caught:
+        with pytest.raises(raised) as caught:
             await forward(pool, rep.url, "/v1/embeddings", b"{}", {}, stream=False)
         assert not isinstance(caught.value, ReplicaGone)
     await pool.close()
