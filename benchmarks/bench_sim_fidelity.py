@@ -246,13 +246,23 @@ def show_profile(path: Path) -> float:
     capacity = capacity_per_s(profile)
     curve = profile.batch_latency_ms or profile.ttft_ms
     assert curve is not None
+    measured = profile.raw.get("measured", {})
     print(
-        f"  profile {path} (through the gateway: "
-        f"{profile.raw.get('measured', {}).get('through_gateway')}): "
+        f"  profile {path} (through the gateway: {measured.get('through_gateway')}): "
         + ", ".join(f"{x:g}: {y:.1f} ms" for x, y in zip(curve.xs, curve.ys, strict=True))
         + f"; capacity {capacity:,.2f} requests/s",
         flush=True,
     )
+    open_loop = measured.get("open_loop")
+    if open_loop:  # the curve above is already calibrated by it (profile/openloop.py)
+        for attempt in open_loop["tries"]:
+            print(
+                f"    open loop at {attempt['offered_rps']:.1f} req/s: answered "
+                f"{attempt['completed_rps']:.1f}, mean batch {attempt['mean_batch_size']}, "
+                f"{attempt['batch_latency_ms']} ms per batch against {attempt['curve_ms']} "
+                f"closed-loop: factor {attempt['factor']}, kept up {attempt['kept_up']}",
+                flush=True,
+            )
     return capacity
 
 

@@ -384,6 +384,13 @@ def profile(
     config: Annotated[
         Path | None, typer.Option(help="--through-gateway: the deployment's serve config.")
     ] = None,
+    open_loop: Annotated[
+        float | None,
+        typer.Option(
+            help="--through-gateway: open-loop point at this fraction of capacity "
+            "(default 0.85; 0: none)."
+        ),
+    ] = None,
     engine: Annotated[
         EngineKind, typer.Option(help="Engine of the workers it starts.")
     ] = EngineKind.transformers,
@@ -442,6 +449,7 @@ def profile(
             url=url,
             through_gateway=through_gateway,
             serve_config=config,
+            open_loop=open_loop,
             engine=engine.value,
             sim_profile=str(sim_profile) if sim_profile else None,
             task=task.value if task else None,

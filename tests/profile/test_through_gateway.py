@@ -21,6 +21,7 @@ from tidegate.config import parse_config
 from tidegate.engines.profile import load_profile
 from tidegate.errors import ConfigError
 from tidegate.profile.gateway import configured_window, stack_config
+from tidegate.profile.openloop import calibrated_curve, closed_loop_curve, curve_capacity
 from tidegate.profile.options import DEFAULT_WINDOW_MS, ProfileOptions
 
 KNOWN_BATCH_MS = {1: 60.0, 2: 70.0, 4: 90.0}
@@ -155,6 +156,17 @@ def test_through_the_gateway_recovers_the_engine_curve_and_cleans_up(tmp_path: P
     eight = profile.points[-1]
     assert eight.mean_batch_size is not None
     assert eight.mean_batch_size > 3.0  # 8 in flight, 8 slots: batches leave nearly full
+    # The open-loop point: Poisson arrivals at 85% of the closed loop's capacity, in the same
+    # stack; the curve written is the closed-loop one times its factor.
+    assert "open loop: Poisson arrivals" in result.stderr
+    open_loop = profile.raw["measured"]["open_loop"]
+    first = open_loop["tries"][0]
+    closed = closed_loop_curve(profile.points)
+    assert closed is not None
+    assert first["offered_rps"] == pytest.approx(0.85 * curve_capacity(closed, 4), rel=0.35)
+    assert first["mean_batch_size"] >= 1.0
+    assert open_loop["factor"] >= 0.9  # the engine sleeps the known curve: never faster
+    assert curve == calibrated_curve(closed, open_loop["at_mean_batch"], open_loop["factor"])
     leftovers = [
         p.pid
         for p in psutil.process_iter(["cmdline"])

@@ -20,6 +20,9 @@ class ProfileOptions:
     url: str | None = None  # measure this running server instead of starting workers
     through_gateway: bool = False  # measure inside `tidegate serve` (profile/gateway.py)
     serve_config: Path | None = None  # --through-gateway: the deployment's serve config
+    # --through-gateway: the open-loop point's rate as a fraction of the closed-loop capacity
+    # (profile/openloop.py); None: the default, 0: no open-loop point.
+    open_loop: float | None = None
     engine: str = "transformers"
     sim_profile: str | None = None  # the simulated engine's profile.json
     task: str | None = None  # of a --model-path model that is not built in
@@ -44,6 +47,10 @@ class ProfileOptions:
             _bad("url", f"{self.url!r} is not an http(s) URL", "e.g. http://127.0.0.1:8000")
         if self.serve_config is not None and not self.through_gateway:
             _bad("config", "--config is the serve config of --through-gateway", "add it")
+        if self.open_loop is not None and not self.through_gateway:
+            _bad("open_loop", "--open-loop is a point of --through-gateway", "add it, or drop it")
+        if self.open_loop is not None and not 0 <= self.open_loop <= 2:
+            _bad("open_loop", f"{self.open_loop} is not a fraction of capacity", "e.g. 0.85")
         if self.through_gateway and self.url is not None and self.model_path is not None:
             _bad("model_path", "a running gateway at --url serves its own models", "drop it")
         if self.max_seconds_per_point < self.min_seconds_per_point:
@@ -70,6 +77,18 @@ class ProfileOptions:
     def local(self) -> bool:
         """True when the planner starts the workers itself."""
         return self.url is None
+
+    def open_loop_fraction(self) -> float:
+        """The open-loop point's rate over the closed-loop capacity; 0: none.
+
+        Only where the planner starts the stack itself: with ``--url`` the gateway is shared
+        with other traffic, and an open loop near its capacity is not the planner's to send.
+        """
+        from tidegate.profile.openloop import DEFAULT_FRACTION
+
+        if not (self.through_gateway and self.local):
+            return 0.0
+        return DEFAULT_FRACTION if self.open_loop is None else self.open_loop
 
     def stability_rule(self) -> StabilityRule:
         return StabilityRule(

@@ -19,6 +19,7 @@ import yaml
 
 from tidegate import __version__
 from tidegate.engines.profile import Curve, EngineProfile, MeasuredPoint, profile_data
+from tidegate.profile.openloop import calibrated_curve, chosen
 from tidegate.profile.options import ProfileOptions
 from tidegate.profile.plots import write_report_png
 from tidegate.profile.recommend import Recommendation, Setting, slo_text
@@ -32,6 +33,7 @@ def build_profile(
     """The profile and a sentence on where its curve came from."""
     o = record.options
     latency, ttft, itl, source = _curves(points, record.task, o)
+    latency, source = _open_loop_calibrated(latency, source, record)
     profile = EngineProfile(
         model=o.model,
         task=record.task,
@@ -79,6 +81,20 @@ def _curves(
     return _curve(pairs), None, None, source
 
 
+def _open_loop_calibrated(
+    curve: Curve | None, source: str, record: RunRecord
+) -> tuple[Curve | None, str]:
+    """The batch curve times the open-loop factor (profile/openloop.py), where one was measured."""
+    point = chosen(record.open_loop)
+    if curve is None or point is None or point.factor is None or point.mean_batch_size is None:
+        return curve, source
+    calibrated = calibrated_curve(curve, point.mean_batch_size, point.factor)
+    return calibrated, (
+        f"{source}, times the open-loop factor {point.factor:.2f} (measured at mean batch "
+        f"{point.mean_batch_size:.1f}; from 1 at batch 1, linear up to that batch)"
+    )
+
+
 def _curve(pairs: dict[float, float]) -> Curve | None:
     if not pairs:
         return None
@@ -103,6 +119,7 @@ def measured_record(record: RunRecord, curve_source: str) -> dict[str, Any]:
         "climb_stops": record.climb_stops,
         "curve_source": curve_source,
         "calibration": record.calibration,
+        "open_loop": _open_loop_record(record),
         "rules": {
             "stable": "last 3 windows agree within 10% on throughput and p95",
             "min_seconds_per_point": o.min_seconds_per_point,
@@ -110,6 +127,18 @@ def measured_record(record: RunRecord, curve_source: str) -> dict[str, Any]:
             "stop_climbing": "SLO broken, or < 5% throughput gain over 4 steps",
             "knee": "highest throughput under the SLO; smaller config when within 5%",
         },
+    }
+
+
+def _open_loop_record(record: RunRecord) -> dict[str, Any] | None:
+    if not record.open_loop:
+        return None
+    point = chosen(record.open_loop)
+    return {
+        "fraction": record.options.open_loop_fraction(),
+        "tries": [t.describe() for t in record.open_loop],
+        "factor": None if point is None else point.factor,
+        "at_mean_batch": None if point is None else point.mean_batch_size,
     }
 
 

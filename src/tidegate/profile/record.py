@@ -13,6 +13,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from tidegate.profile.openloop import OpenLoopPoint
 from tidegate.profile.options import ProfileOptions
 from tidegate.profile.recommend import available_cores
 
@@ -31,6 +32,7 @@ class RunRecord:
     climb_stops: dict[str, str] = field(default_factory=dict)
     weights_mb: float | None = None
     calibration: dict[str, float] = field(default_factory=dict)
+    open_loop: tuple[OpenLoopPoint, ...] = ()  # --through-gateway's open-loop tries
 
 
 def host_facts() -> dict[str, Any]:

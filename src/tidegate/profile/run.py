@@ -173,6 +173,7 @@ def _write(
         stopped=reasons[0] if reasons else None,
         climb_stops=dict(planner.climb_stops),
         weights_mb=planner.weights_mb,
+        open_loop=tuple(planner.open_loop),
         calibration=(
             {
                 "overhead_tokens": round(prepared.sizer.overhead_tokens, 2),

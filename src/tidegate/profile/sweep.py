@@ -46,6 +46,15 @@ from tidegate.profile.gateway import (
 )
 from tidegate.profile.loadgen import RequestSpec, build_requests, calibrate
 from tidegate.profile.measure import MeasureSettings, PointRun, PointSpec, measure_point
+from tidegate.profile.openloop import (
+    MIN_DURATION_S,
+    TRIES,
+    OpenLoopPoint,
+    closed_loop_curve,
+    curve_capacity,
+    measure_open_loop,
+    point_line,
+)
 from tidegate.profile.options import DEFAULT_WINDOW_MS, ProfileOptions
 from tidegate.profile.recommend import SIZE_OF, capacity_point, sweep_knee
 from tidegate.profile.resources import ResourceMeter
@@ -95,6 +104,7 @@ class Planner:
     climb_stops: dict[str, str] = field(default_factory=dict)  # sweep -> why it stopped
     prepared: Prepared | None = None
     weights_mb: float | None = None
+    open_loop: list[OpenLoopPoint] = field(default_factory=list)  # --through-gateway tries
     _left: dict[str, int] = field(default_factory=dict)  # points still planned per sweep
 
     async def run(self, session: aiohttp.ClientSession) -> None:
@@ -173,6 +183,8 @@ class Planner:
         task = self.expected_task()
         base = base_config(o.serve_config)
         if task == "generate":
+            if o.open_loop:
+                self.progress.note("open loop: embeddings only (generation: no engine time)")
             levels = o.concurrency_levels(o.max_concurrency)
             self._expect("concurrency", len(levels))
             async with self._stack(session, base, task, o.max_batch) as started:
@@ -194,6 +206,48 @@ class Planner:
                     return
                 spec = PointSpec("concurrency", level, o.max_batch, window)
                 await self._measure(session, started[0], started[1], spec)
+            if o.open_loop_fraction() > 0:
+                await self._open_loop(session, started[0], started[1])
+
+    async def _open_loop(
+        self, session: aiohttp.ClientSession, url: str, meter: ResourceMeter
+    ) -> None:
+        """The open-loop point(s) after the closed-loop levels (profile/openloop.py)."""
+        o = self.options
+        curve = closed_loop_curve(self.points)
+        if curve is None or self.prepared is None:
+            self.progress.note("open loop: skipped, the closed loop measured no batch")
+            return
+        fraction = o.open_loop_fraction()
+        capacity = curve_capacity(curve, o.max_batch)
+        for _ in range(TRIES):
+            if self.stop.is_set() or capacity <= 0:
+                return
+            rate = fraction * capacity
+            self.progress.note(
+                f"open loop: Poisson arrivals at {rate:.1f} requests/s "
+                f"({fraction:.0%} of {capacity:.1f}, the capacity the curve predicts)"
+            )
+            point = await measure_open_loop(
+                session,
+                url,
+                self.prepared.requests,
+                meter,
+                curve,
+                rate,
+                fraction,
+                max(MIN_DURATION_S, o.min_seconds_per_point),
+                o.seed,
+                self.stop,
+            )
+            if point is None:
+                return
+            self.open_loop.append(point)
+            self.progress.note(f"open loop: {point_line(point)}")
+            if point.kept_up or point.factor is None:
+                return
+            # Over capacity: once more, below what it managed and what the factor says.
+            capacity = min(capacity / max(point.factor, 1.0), point.completed_rps)
 
     @contextlib.asynccontextmanager
     async def _stack(

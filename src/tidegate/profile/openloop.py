@@ -1,0 +1,226 @@
+"""The open-loop point of ``--through-gateway``: the engine's time when arrivals do not wait.
+
+The through-gateway sweep is a closed loop: 1 to 2 x max batch requests in flight, each
+client sending its next request only when its last one was answered, so the stack is never
+offered more than it finishes and its queue stays short. Real traffic is an open loop:
+requests keep arriving whatever the stack is doing. On a small machine that costs the engine
+CPU the closed loop never saw (the gateway holds a queue of connections, the clients send
+while a batch runs): on the 2-CPU machine of docs/benchmarks.md ("Fidelity") the engine
+ran each batch 1.17-1.43x slower in an open loop near capacity than the closed-loop curve
+said, so a load meant as 80% of capacity was past it on the real stack and the simulator,
+fed the closed-loop curve, saw no queue where the stack had seconds of it.
+
+So after the closed-loop levels, in the same ``tidegate serve``, the planner offers Poisson
+arrivals at ``--open-loop`` (default 0.85) of the capacity the closed-loop curve predicts,
+reads the worker's engine time per batch and mean batch over the measured span (its own
+/metrics, as for every point), and divides by the closed-loop curve at that batch: the
+*factor*. When the stack did not keep up (it completed under 95% of what was offered, or
+refused some), the factor is an overloaded stack's: the point is measured once more at the
+same fraction of the capacity the factor corrects.
+
+The curve written to profile.json (what the simulator and the simulated engine replay) is the
+closed-loop curve times a factor that grows linearly from 1 at batch 1 (a lone request: the
+closed loop's own regime) to the measured factor at the open-loop point's mean batch, and
+stays at it above: the slowdown comes with load, and load is what forms larger batches. The
+closed-loop points, the knee and the recommended settings are unchanged; ``measured.open_loop``
+in profile.json holds every open-loop try and the factor used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from tidegate.engines.profile import Curve, MeasuredPoint
+from tidegate.profile.loadgen import Completion, RequestSpec, send
+from tidegate.profile.resources import ResourceMeter, usage_between
+
+DEFAULT_FRACTION = 0.85  # of the closed-loop capacity
+KEPT_UP = 0.95  # completed / offered at or above this: the stack kept up
+WARMUP_S = 3.0  # arrivals before the measured span: the queue settles
+MIN_DURATION_S = 10.0  # the measured span, at least
+DRAIN_S = 10.0  # what is in flight at the end may take this long, then is cut off
+TRIES = 2  # the second only when the first did not keep up
+
+
+@dataclass(frozen=True, slots=True)
+class OpenLoopPoint:
+    """One open-loop run: what was offered, what the stack did, and the factor it implies."""
+
+    fraction: float  # of the capacity the curve predicted when it started
+    offered_rps: float  # arrivals per second in the measured span
+    completed_rps: float  # answers (200) per second in the measured span
+    num_refused: int  # non-200 answers and failed sends in the measured span
+    latency_p50_ms: float  # from the arrival, answered requests of the measured span
+    latency_p95_ms: float
+    mean_batch_size: float | None  # the worker's, over the measured span
+    batch_latency_ms: float | None  # the worker's mean engine time per batch, same span
+    curve_ms: float | None  # the closed-loop curve at that mean batch
+    duration_s: float
+
+    @property
+    def kept_up(self) -> bool:
+        return self.num_refused == 0 and self.completed_rps >= KEPT_UP * self.offered_rps
+
+    @property
+    def factor(self) -> float | None:
+        """Engine time per batch in the open loop over the closed loop's at the same batch."""
+        if self.batch_latency_ms is None or not self.curve_ms:
+            return None
+        return self.batch_latency_ms / self.curve_ms
+
+    def describe(self) -> dict[str, Any]:
+        data = {k: _rounded(v) for k, v in asdict(self).items()}
+        factor = self.factor
+        return data | {
+            "kept_up": self.kept_up,
+            "factor": None if factor is None else round(factor, 3),
+        }
+
+
+def _rounded(value: Any) -> Any:
+    return round(value, 3) if isinstance(value, float) else value
+
+
+def closed_loop_curve(points: Sequence[MeasuredPoint]) -> Curve | None:
+    """Engine time per batch against the mean batch formed, from the closed-loop points."""
+    pairs = {
+        round(p.mean_batch_size, 2): p.batch_latency_ms
+        for p in points
+        if p.mean_batch_size is not None and p.batch_latency_ms is not None and p.num_requests
+    }
+    if not pairs:
+        return None
+    xs = tuple(sorted(pairs))
+    return Curve(xs, tuple(pairs[x] for x in xs))
+
+
+def curve_capacity(curve: Curve, max_batch: int) -> float:
+    """Requests per second at best, batches of 1 to ``max_batch`` back to back."""
+    rates = [n / (curve(n) / 1e3) for n in range(1, max_batch + 1) if curve(n) > 0]
+    return max(rates, default=0.0)
+
+
+def calibrated_curve(curve: Curve, mean_batch: float, factor: float) -> Curve:
+    """``curve`` times a factor rising linearly from 1 at batch 1 to ``factor`` at
+    ``mean_batch``, and ``factor`` above it (see the module docstring)."""
+
+    def scale(x: float) -> float:
+        if mean_batch <= 1.0 or x >= mean_batch:
+            return factor
+        return 1.0 + (factor - 1.0) * max(0.0, x - 1.0) / (mean_batch - 1.0)
+
+    ys = tuple(round(y * scale(x), 3) for x, y in zip(curve.xs, curve.ys, strict=True))
+    return Curve(curve.xs, ys)
+
+
+async def measure_open_loop(
+    session: aiohttp.ClientSession,
+    url: str,
+    requests: Sequence[RequestSpec],
+    meter: ResourceMeter,
+    curve: Curve,
+    rate_per_s: float,
+    fraction: float,
+    duration_s: float,
+    seed: int,
+    stop: asyncio.Event,
+) -> OpenLoopPoint | None:
+    """Poisson arrivals at ``rate_per_s`` for a warm-up and ``duration_s``; None if stopped."""
+    draw = random.Random(f"{seed}:open-loop:{rate_per_s:.6f}")
+    url = url.rstrip("/")
+    answered: list[tuple[float, Completion]] = []  # (arrival, completion)
+    in_flight: set[asyncio.Task[None]] = set()
+
+    async def one(spec: RequestSpec, arrival: float) -> None:
+        answered.append((arrival, await send(session, url, spec)))
+
+    started = time.monotonic()
+    span_from, span_to = started + WARMUP_S, started + WARMUP_S + duration_s
+
+    async def arrivals() -> int:
+        at, index, sent = started, 0, 0
+        while at < span_to and not stop.is_set():
+            delay = at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(one(requests[index % len(requests)], at))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+            if at >= span_from:
+                sent += 1
+            index += 1
+            at += draw.expovariate(rate_per_s)
+        return sent
+
+    sender = asyncio.create_task(arrivals())
+    try:
+        await asyncio.sleep(max(0.0, span_from - time.monotonic()))
+        first = await meter.snapshot()
+        await asyncio.sleep(max(0.0, span_to - time.monotonic()))
+        last = await meter.snapshot()
+        sent = await sender
+    finally:
+        sender.cancel()
+        if in_flight and not stop.is_set():
+            await asyncio.wait(set(in_flight), timeout=DRAIN_S)
+        for task in list(in_flight):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*in_flight, return_exceptions=True)
+    if stop.is_set():
+        return None
+    span = max(1e-9, last.at - first.at)
+    usage = usage_between(first, last)
+    inside = [(a, c) for a, c in answered if first.at <= c.done_at <= last.at]
+    ok_latencies = [c.done_at - a for a, c in inside if c.ok]
+    refused = sum(not c.ok for a, c in answered if a >= span_from)
+    mean_batch = usage.mean_batch_size
+    return OpenLoopPoint(
+        fraction=fraction,
+        offered_rps=sent / duration_s,
+        completed_rps=len(ok_latencies) / span,
+        num_refused=refused,
+        latency_p50_ms=_percentile_ms(ok_latencies, 50),
+        latency_p95_ms=_percentile_ms(ok_latencies, 95),
+        mean_batch_size=mean_batch,
+        batch_latency_ms=usage.batch_latency_ms,
+        curve_ms=None if mean_batch is None else curve(mean_batch),
+        duration_s=span,
+    )
+
+
+def _percentile_ms(seconds: Sequence[float], q: float) -> float:
+    return float(np.percentile(seconds, q)) * 1e3 if seconds else float("nan")
+
+
+def chosen(tries: Sequence[OpenLoopPoint]) -> OpenLoopPoint | None:
+    """The try whose factor calibrates the curve: the last one with a factor."""
+    return next((t for t in reversed(tries) if t.factor is not None), None)
+
+
+def point_line(point: OpenLoopPoint) -> str:
+    factor = point.factor
+    parts = [
+        f"{point.offered_rps:.1f} offered, {point.completed_rps:.1f} answered req/s",
+        f"p95 {point.latency_p95_ms:.0f} ms",
+    ]
+    if point.num_refused:
+        parts.append(f"{point.num_refused} refused")
+    if point.mean_batch_size is not None and point.batch_latency_ms is not None:
+        parts.append(
+            f"mean batch {point.mean_batch_size:.1f}, {point.batch_latency_ms:.1f} ms per batch"
+            f" (closed loop {point.curve_ms or 0:.1f} ms)"
+        )
+    if factor is not None:
+        parts.append(f"factor {factor:.2f}")
+    parts.append("kept up" if point.kept_up else "did NOT keep up")
+    return ", ".join(parts)

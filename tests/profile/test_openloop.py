@@ -1,0 +1,146 @@
+"""The open-loop point of ``--through-gateway``: its factor, and the curve it calibrates."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.profile.test_outputs import EMBEDDINGS_POINTS, SLO, record
+from tidegate.engines.profile import Curve, load_profile
+from tidegate.errors import ConfigError
+from tidegate.profile.openloop import (
+    OpenLoopPoint,
+    calibrated_curve,
+    chosen,
+    closed_loop_curve,
+    curve_capacity,
+)
+from tidegate.profile.options import ProfileOptions
+from tidegate.profile.outputs import write_outputs
+from tidegate.profile.recommend import recommend
+
+CURVE = Curve((1.0, 2.0, 4.0, 8.0, 16.0), (15.0, 19.0, 24.0, 36.0, 70.0))
+
+
+def open_point(**kw: object) -> OpenLoopPoint:
+    base: dict[str, object] = {
+        "fraction": 0.85,
+        "offered_rps": 100.0,
+        "completed_rps": 99.0,
+        "num_refused": 0,
+        "latency_p50_ms": 50.0,
+        "latency_p95_ms": 90.0,
+        "mean_batch_size": 4.0,
+        "batch_latency_ms": 30.0,
+        "curve_ms": 24.0,
+        "duration_s": 10.0,
+    }
+    return OpenLoopPoint(**(base | kw))  # type: ignore[arg-type]
+
+
+def test_the_factor_is_the_open_loop_engine_time_over_the_curve_at_its_batch() -> None:
+    assert open_point().factor == pytest.approx(1.25)
+    assert open_point(batch_latency_ms=None).factor is None
+    assert open_point(curve_ms=None).factor is None
+
+
+@pytest.mark.parametrize(
+    ("completed", "refused", "kept_up"),
+    [(99.0, 0, True), (95.0, 0, True), (94.0, 0, False), (100.0, 3, False)],
+)
+def test_kept_up_means_it_answered_what_was_offered(
+    completed: float, refused: int, kept_up: bool
+) -> None:
+    assert open_point(completed_rps=completed, num_refused=refused).kept_up is kept_up
+
+
+def test_the_calibrated_curve_rises_from_one_at_batch_one_to_the_factor() -> None:
+    scaled = calibrated_curve(CURVE, mean_batch=4.0, factor=1.3)
+    assert scaled.xs == CURVE.xs
+    assert scaled.ys[0] == 15.0  # batch 1: the closed loop's own regime
+    assert scaled.ys[1] == pytest.approx(19.0 * 1.1)  # a third of the way to batch 4
+    assert scaled.ys[2:] == pytest.approx((24.0 * 1.3, 36.0 * 1.3, 70.0 * 1.3))
+
+
+@given(
+    mean_batch=st.floats(0.5, 40.0),
+    factor=st.floats(0.5, 3.0),
+)
+def test_the_calibration_scales_every_point_between_one_and_the_factor(
+    mean_batch: float, factor: float
+) -> None:
+    scaled = calibrated_curve(CURVE, mean_batch, factor)
+    low, high = sorted((1.0, factor))
+    for x, before, after in zip(CURVE.xs, CURVE.ys, scaled.ys, strict=True):
+        assert low * before - 1e-3 <= after <= high * before + 1e-3
+        if x >= mean_batch:
+            assert after == pytest.approx(before * factor, abs=1e-3)
+
+
+def test_the_closed_loop_curve_and_its_capacity() -> None:
+    curve = closed_loop_curve(EMBEDDINGS_POINTS)
+    assert curve == CURVE  # the points with a mean batch and an engine time
+    assert curve_capacity(CURVE, 16) == pytest.approx(16 / 0.070)
+    assert curve_capacity(CURVE, 8) == pytest.approx(8 / 0.036)
+    assert closed_loop_curve([]) is None
+
+
+def test_the_last_try_with_a_factor_is_the_one_used() -> None:
+    first, second = open_point(completed_rps=50.0), open_point(batch_latency_ms=26.0)
+    assert chosen([first, second]) is second
+    assert chosen([first, open_point(batch_latency_ms=None)]) is first
+    assert chosen([]) is None
+
+
+def test_the_profile_writes_the_calibrated_curve_and_every_try(tmp_path: Path) -> None:
+    options = ProfileOptions(
+        model="minilm", out=tmp_path, slo=SLO, through_gateway=True, command="tidegate profile"
+    )
+    tries = (open_point(completed_rps=60.0), open_point(batch_latency_ms=36.0))
+    run = dataclasses.replace(record(tmp_path), options=options, open_loop=tries)
+    write_outputs(
+        tmp_path,
+        run,
+        EMBEDDINGS_POINTS,
+        recommend(EMBEDDINGS_POINTS, SLO, "embeddings", local=True),
+    )
+    profile = load_profile(tmp_path / "profile.json")
+    assert profile.batch_latency_ms == calibrated_curve(CURVE, 4.0, 1.5)
+    assert profile.points == tuple(EMBEDDINGS_POINTS)  # the measured points stay as measured
+    measured = json.loads((tmp_path / "profile.json").read_text())["measured"]
+    assert measured["open_loop"]["factor"] == pytest.approx(1.5)
+    assert measured["open_loop"]["at_mean_batch"] == 4.0
+    assert [t["kept_up"] for t in measured["open_loop"]["tries"]] == [False, True]
+    assert "open-loop factor 1.50" in measured["curve_source"]
+
+
+def test_without_an_open_loop_the_curve_is_the_closed_loop_one(tmp_path: Path) -> None:
+    write_outputs(
+        tmp_path,
+        record(tmp_path),
+        EMBEDDINGS_POINTS,
+        recommend(EMBEDDINGS_POINTS, SLO, "embeddings", local=True),
+    )
+    assert load_profile(tmp_path / "profile.json").batch_latency_ms == CURVE
+    assert json.loads((tmp_path / "profile.json").read_text())["measured"]["open_loop"] is None
+
+
+def test_the_fraction_defaults_only_where_the_planner_starts_the_stack(tmp_path: Path) -> None:
+    assert ProfileOptions(model="m", out=tmp_path).open_loop_fraction() == 0.0
+    gateway = ProfileOptions(model="m", out=tmp_path, through_gateway=True)
+    assert gateway.open_loop_fraction() == 0.85
+    off = ProfileOptions(model="m", out=tmp_path, through_gateway=True, open_loop=0.0)
+    assert off.open_loop_fraction() == 0.0
+    running = ProfileOptions(
+        model="m", out=tmp_path, through_gateway=True, url="http://127.0.0.1:1"
+    )
+    assert running.open_loop_fraction() == 0.0  # a shared gateway: not the planner's to load
+    with pytest.raises(ConfigError, match="--through-gateway"):
+        ProfileOptions(model="m", out=tmp_path, open_loop=0.85)
+    with pytest.raises(ConfigError, match="fraction"):
+        ProfileOptions(model="m", out=tmp_path, through_gateway=True, open_loop=-1.0)
