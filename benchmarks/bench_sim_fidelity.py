@@ -12,7 +12,7 @@ For each load (a fraction of the capacity the through-gateway profile predicts: 
 on 127.0.0.1 with one ``minilm`` replica (``--engine transformers``, the real model;
 ``--engine simulated`` replays ``--engine-profile``, to develop this benchmark), default
 queue and batching (max batch 32, window 5 ms, 64 slots). Each request is one sentence
-(12-16 tokens) to ``/v1/embeddings`` with ``X-Priority``; latency runs from its scheduled
+(16-19 tokens) to ``/v1/embeddings`` with ``X-Priority``; latency runs from its scheduled
 arrival. Before the load, the idle round trip (median of 30 lone requests) is recorded in
 the run file; the validator subtracts what the simulator predicts for one lone request
 and adds the rest as ``network_s`` (a measurement, not a fitted parameter).
@@ -92,11 +92,10 @@ from tidegate.sim.validate import (
 from tidegate.sim.workload import Arrival
 
 ROOT = Path(__file__).resolve().parent.parent
-SENTENCES = ROOT / "benchmarks" / "profiles" / "sentences-12-16.csv"
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 CHAT = ROOT / "benchmarks" / "profiles" / "chat-short.csv"
 WINDOW_MS = 5.0
-PROMPT_TOKENS = 14  # the load generator's sentences: 12 to 16 tokens
+PROMPT_TOKENS = 17  # the load generator's sentences: 16 to 19 tokens (sent_workload)
 CHAT_PROMPT_TOKENS = 40  # a sentence in the chat template; the run file gets the real count
 GENERATE_PROBES = 4
 
@@ -292,7 +291,7 @@ def profile_through_gateway(args: argparse.Namespace, logdir: Path, tag: str) ->
         "--max-batch",
         str(MAX_BATCH),
         *(
-            ["--workload", str(SENTENCES)]  # what the load generator sends: 12-16 tokens
+            ["--workload", str(sent_workload(logdir))]  # the lengths the load sends
             if SPEC.task == "embeddings"
             else [
                 "--workload",
@@ -320,6 +319,26 @@ def profile_through_gateway(args: argparse.Namespace, logdir: Path, tag: str) ->
         raise RuntimeError(f"tidegate profile --through-gateway exited {code}: see {logdir}")
     print(f"  profiled in {time.monotonic() - started:.0f} s", flush=True)
     return out / "profile.json"
+
+
+def sent_workload(logdir: Path) -> Path:
+    """The token lengths of the sentences the load sends (``bench_gateway.TEXTS``, 16 to 19
+    tokens with MiniLM's tokenizer, special tokens counted as the worker's usage counts
+    them), as a workload file for the profile: a profile of other lengths has other batch
+    times (until 2026-12-03 it was profiled on 12-16 token texts, 20% fewer tokens, and the
+    real engine ran each batch 1.1-1.24x the profile's)."""
+    from transformers import AutoTokenizer
+
+    from tidegate.engines.embeddings import minilm_path
+
+    path = logdir / "sent-lengths.csv"
+    if not path.exists():
+        tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()))
+        lines = ["arrival_s,prompt_tokens,output_tokens,priority,tenant"]
+        for index, text in enumerate(bg.TEXTS):
+            lines.append(f"{index / 10:g},{len(tokenizer(text)['input_ids'])},0,,")
+        path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def chat_bodies() -> list[bytes]:
