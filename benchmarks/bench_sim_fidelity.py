@@ -39,6 +39,8 @@ time on the real stack, on the same schedule, right after the others. The second
 compared with the first by the same figures and tolerances (how far the real stack is from
 itself), and with the simulator. Printed beside the verdicts, not a target: a simulator
 cannot be asked to agree with a stack more closely than the stack agrees with itself.
+Also printed, not a target: each judged percentile replayed with the engine 3% faster and
+3% slower (``--sensitivity``), and how many come within 15% somewhere in that range.
 
 Run (a through-gateway profile, about 1.5 minutes, then about 1.5 minutes per policy, for
 each load):
@@ -98,6 +100,9 @@ WINDOW_MS = 5.0
 PROMPT_TOKENS = 17  # the load generator's sentences: 16 to 19 tokens (sent_workload)
 CHAT_PROMPT_TOKENS = 40  # a sentence in the chat template; the run file gets the real count
 GENERATE_PROBES = 4
+# Each run is also replayed with the engine 3% faster and slower (``--sensitivity``): the
+# real engine's time per batch moved by up to 3.5% between runs a minute apart here.
+SENSITIVITY = 0.03
 
 
 @dataclass(frozen=True)
@@ -569,7 +574,7 @@ def one_run(
         args.runs_dir.mkdir(parents=True, exist_ok=True)
         write_run(args.runs_dir / f"{MODEL}-{policy}-{load:g}.json", run)
     service = load_service(str(args.profile))
-    validation, _, simulated = validate(run, service, TOLERANCES)
+    validation, _, simulated = validate(run, service, TOLERANCES, SENSITIVITY)
     if service.batch is None:  # generation: no batches to compare
         notes = {
             "network_ms": validation.network_s * 1e3,
@@ -691,6 +696,31 @@ def rescaled_lines(outcomes: list[RunOutcome]) -> list[str]:
     lines.append(
         f"diagnostic (not the target): with each run's own engine time, p50/p95 within "
         f"{TOLERANCES.percentile:.0%}: {ok} of {len(judged)}"
+    )
+    return lines
+
+
+def sensitivity_lines(outcomes: list[RunOutcome]) -> list[str]:
+    """Each judged percentile with the engine SENSITIVITY faster and slower (diagnostic)."""
+    spread = f"{SENSITIVITY:.0%}"
+    lines = [
+        f"| load | policy | class | figure | real | sim -{spread} | sim | sim +{spread} "
+        f"| within {TOLERANCES.percentile:.0%} in the range |",
+        "|---:|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    judged = [(o, f) for o in outcomes for f in judged_percentiles(o.figures)]
+    for o, f in judged:
+        lines.append(
+            f"| {o.load:.0%} | {o.policy} | {f.cls} | {f.name} | {lg.ms(f.measured)} "
+            f"| {lg.ms(f.faster)} | {lg.ms(f.simulated)} | {lg.ms(f.slower)} "
+            f"| {'yes' if f.reachable(TOLERANCES.percentile) else 'no'} |"
+        )
+    reached = sum(f.reachable(TOLERANCES.percentile) for _, f in judged)
+    lines.append("")
+    lines.append(
+        f"diagnostic (not the target): p50/p95 within {TOLERANCES.percentile:.0%} somewhere "
+        f"between engine time x{1 - SENSITIVITY:g} and x{1 + SENSITIVITY:g}: "
+        f"{reached} of {len(judged)}"
     )
     return lines
 
@@ -934,6 +964,8 @@ def main() -> int:
         print(diagnostics(outcomes))
         print()
         print("\n".join(rescaled_lines(outcomes)))
+    print()
+    print("\n".join(sensitivity_lines(outcomes)))
     if repeats:
         print()
         print("\n".join(repeat_lines(repeats)))

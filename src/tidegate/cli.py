@@ -509,6 +509,15 @@ def simulate(
         Path | None,
         typer.Option(help="A recorded real run (docs/simulator.md): replay it and compare."),
     ] = None,
+    sensitivity: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=0.49,
+            help="With --validate: replay also with the engine this fraction faster and "
+            "slower, e.g. 0.03.",
+        ),
+    ] = 0.0,
     fleet: Annotated[
         Path | None,
         typer.Option(help="Fleet-level mode: a fleet file (docs/simulator.md), every model."),
@@ -524,11 +533,14 @@ def simulate(
     from tidegate.sim import simulate as run_simulation
     from tidegate.sim.report import terminal
 
+    if sensitivity and validate is None:
+        typer.echo("error: --sensitivity needs --validate RUN (it varies a replay)", err=True)
+        raise typer.Exit(2)
     if validate is not None:
         from tidegate.sim.command import validate_run
 
         try:
-            text, passed = validate_run(validate, profile, config, out)
+            text, passed = validate_run(validate, profile, config, out, sensitivity)
         except (ConfigError, ValueError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None

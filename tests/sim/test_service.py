@@ -93,3 +93,28 @@ def test_a_missing_profile_is_a_config_error(tmp_path: Path) -> None:
         load_service(str(tmp_path / "nope.json"))
     with pytest.raises(ConfigError, match="cannot read"):
         load_service(str(tmp_path / "nope.csv"))
+
+
+@pytest.mark.parametrize("task", ["embeddings", "generate"])
+def test_scaled_multiplies_every_batch_or_step(task: str) -> None:
+    from tidegate.sim.service import scaled
+
+    base = default_service(task)
+    slower = scaled(base, 1.25)
+    assert slower.task == task
+    assert "x1.25" in slower.name
+    if task == "embeddings":
+        assert base.batch is not None
+        assert slower.batch is not None
+        for size in (1, 7, 32):
+            assert slower.batch.batch_s(size, 0) == pytest.approx(
+                1.25 * base.batch.batch_s(size, 0)
+            )
+    else:
+        assert base.step is not None
+        assert slower.step is not None
+        for args in ((4, 0, 0), (3, 1, 200), (0, 2, 900)):
+            assert slower.step.step_s(*args) == pytest.approx(1.25 * base.step.step_s(*args))
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="factor"):
+            scaled(base, bad)

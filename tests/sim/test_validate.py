@@ -22,6 +22,7 @@ from tidegate.errors import ConfigError
 from tidegate.sim.run import Scenario, Simulation
 from tidegate.sim.validate import (
     STATUS_OF_OUTCOME,
+    Figure,
     RecordedRun,
     RunRequest,
     Side,
@@ -247,3 +248,72 @@ def test_the_engine_time_of_the_probe_replaces_the_profiles_in_the_round_trip(
     assert network_s_for(measured, service) == pytest.approx(0.050 - 0.030 - outside)
     write_run(tmp_path / "run.json", measured)
     assert load_run(tmp_path / "run.json").idle_engine_s == pytest.approx(0.030)
+
+
+def test_sensitivity_replays_the_run_with_the_engine_faster_and_slower(tmp_path: Path) -> None:
+    from tidegate.sim.service import load_service
+
+    # The "real" stack ran 10% slower than the profile: p50 within 15%, but a 10% spread
+    # covers it exactly, and the figures move the way the engine does.
+    run = recorded_from_simulation(22.0, arrivals(60.0, 600))
+    service = load_service(profile_file(tmp_path, 20))
+    plain, _, _ = validate(run, service)
+    assert all(math.isnan(f.faster) and math.isnan(f.slower) for f in plain.figures)
+    assert plain.sensitivity_line() == ""
+    spread, _, _ = validate(run, service, sensitivity=0.1)
+    assert [(f.cls, f.name, f.simulated) for f in spread.figures] == [
+        (f.cls, f.name, f.simulated) for f in plain.figures
+    ]  # the nominal replay and the verdict are the same
+    assert spread.passed == plain.passed
+    for f in spread.figures:
+        if f.name == "e2e p50 ms":
+            assert f.faster < f.simulated < f.slower, f
+            assert f.slower == pytest.approx(f.measured, rel=0.02), f  # x1.1 = the real 22 ms
+            assert f.reachable(0.0)
+    line = spread.sensitivity_line()
+    assert "x0.9 to x1.1" in line
+    assert "not the verdict" in line
+    with pytest.raises(ValueError, match="sensitivity"):
+        validate(run, service, sensitivity=0.5)
+
+
+def test_reachable_takes_the_simulated_range_as_continuous() -> None:
+    def fig(measured: float, sim: float, faster: float, slower: float) -> Figure:
+        return Figure(
+            "high",
+            "e2e p95 ms",
+            measured,
+            sim,
+            (sim - measured) / measured,
+            True,
+            False,
+            faster,
+            slower,
+        )
+
+    assert fig(200, 310, 212, 384).reachable(0.15)  # 212 is within 15% of 200
+    assert not fig(100, 310, 212, 384).reachable(0.15)  # the whole range is above 115
+    assert fig(150, 100, 90, 300).reachable(0.0)  # 150 lies between 90 and 300
+    assert not fig(150, math.nan, math.nan, math.nan).reachable(0.15)
+
+
+def test_the_command_prints_the_spread_columns_and_needs_validate(tmp_path: Path) -> None:
+    run = recorded_from_simulation(20.0, arrivals(100.0, 300))
+    write_run(tmp_path / "run.json", run)
+    runner = CliRunner()
+    args = ["simulate", "--profile", profile_file(tmp_path, 20), "--sensitivity", "0.05"]
+    done = runner.invoke(
+        app, [*args, "--validate", str(tmp_path / "run.json"), "--out", str(tmp_path / "out")]
+    )
+    assert done.exit_code == 0, done.output
+    assert "sim -5%" in done.output
+    assert "sim +5%" in done.output
+    assert "x0.95 to x1.05" in done.output
+    data = json.loads((tmp_path / "out" / "validation.json").read_text())
+    assert data["sensitivity"] == 0.05
+    assert all("simulated_faster" in f for f in data["figures"])
+    alone = runner.invoke(app, args)
+    assert alone.exit_code == 2
+    assert "--sensitivity needs --validate" in alone.output
+    too_far = runner.invoke(app, [*args[:-1], "0.6", "--validate", str(tmp_path / "run.json")])
+    assert too_far.exit_code == 2

@@ -218,12 +218,17 @@ def write_outputs(
 
 
 def validate_run(
-    run_path: Path, profile: str | None, config: Path | None, out: Path | None
+    run_path: Path,
+    profile: str | None,
+    config: Path | None,
+    out: Path | None,
+    sensitivity: float = 0.0,
 ) -> tuple[str, bool]:
     """``--validate RUN``: the run replayed (sim.validate); the text and whether it passed.
 
     ``--profile`` is required (the service model to check); ``--config`` replaces the config
-    the run recorded. ``out/validation.json`` gets the figures.
+    the run recorded; ``--sensitivity S`` replays it also with the engine S faster and S
+    slower. ``out/validation.json`` gets the figures.
     """
     import json
 
@@ -238,7 +243,7 @@ def validate_run(
         from dataclasses import replace
 
         run = replace(run, config=yaml.safe_load(config.read_text()))
-    validation, _, _ = validate(run, load_service(profile))
+    validation, _, _ = validate(run, load_service(profile), sensitivity=sensitivity)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "validation.json").write_text(json.dumps(validation_data(validation), indent=2))

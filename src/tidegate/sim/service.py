@@ -22,8 +22,9 @@ becomes a step model this way: a step of ``n`` sequences of which ``p`` are join
 from __future__ import annotations
 
 import csv
+import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -139,6 +140,41 @@ def from_profile(profile: EngineProfile, source: str) -> ServiceModel:
         "generate",
         step=ConcurrencySteps(profile.ttft_ms, profile.itl_ms),
         source=source,
+    )
+
+
+class _ScaledBatch:
+    __slots__ = ("_factor", "_inner")
+
+    def __init__(self, inner: BatchService, factor: float) -> None:
+        self._inner = inner
+        self._factor = factor
+
+    def batch_s(self, num_requests: int, num_tokens: int) -> float:
+        return self._inner.batch_s(num_requests, num_tokens) * self._factor
+
+
+class _ScaledSteps:
+    __slots__ = ("_factor", "_inner")
+
+    def __init__(self, inner: StepService, factor: float) -> None:
+        self._inner = inner
+        self._factor = factor
+
+    def step_s(self, num_decode: int, num_prefill: int, prefill_tokens: int) -> float:
+        return self._inner.step_s(num_decode, num_prefill, prefill_tokens) * self._factor
+
+
+def scaled(service: ServiceModel, factor: float) -> ServiceModel:
+    """The same engine with every batch or step ``factor`` times as long (``factor`` > 0):
+    how much a replay's figures move with the engine's speed (``--sensitivity``)."""
+    if not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"an engine time factor must be a finite number > 0, got {factor}")
+    return replace(
+        service,
+        name=f"{service.name} x{factor:g}",
+        batch=None if service.batch is None else _ScaledBatch(service.batch, factor),
+        step=None if service.step is None else _ScaledSteps(service.step, factor),
     )
 
 

@@ -21,7 +21,8 @@ to last completion) and the outcome counts (completed, 429, 504, and any other s
 each with its error ``(simulated - measured) / measured``. A count whose measured value is
 under 1% of the class's requests is compared as a share of the class instead (0 against 3
 of 3,000 is 0.1%, not infinite). The verdict: p50 and p95 within 15%, throughput within 5%
-and counts within 10% (``Tolerances``).
+and counts within 10% (``Tolerances``). ``--sensitivity S`` adds each figure replayed with
+the engine S faster and S slower, and a diagnostic count beside the verdict (``validate``).
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tidegate.config.loading import parse_config
 from tidegate.errors import ConfigError
 from tidegate.sim.run import RunResult, Scenario, Simulation
-from tidegate.sim.service import ServiceModel
+from tidegate.sim.service import ServiceModel, scaled
 from tidegate.sim.workload import Arrival, Listed
 
 RUN_FORMAT = "tidegate-run"
@@ -302,6 +303,18 @@ class Figure:
     error: float  # (simulated - measured) / measured; NaN when undefined
     judged: bool  # counts toward the verdict
     ok: bool
+    # --sensitivity: the figure simulated with the engine faster / slower by the spread
+    faster: float = math.nan
+    slower: float = math.nan
+
+    def reachable(self, tolerance: float) -> bool:
+        """Within ``tolerance`` of the measured value somewhere in the simulated range
+        (the nominal engine time and the two ends of the spread), taken as continuous."""
+        values = [v for v in (self.simulated, self.faster, self.slower) if v == v]
+        if not values or self.measured != self.measured or self.measured == 0:
+            return False
+        low, high = min(values), max(values)
+        return low <= self.measured * (1 + tolerance) and high >= self.measured * (1 - tolerance)
 
     @property
     def kind(self) -> str:
@@ -318,6 +331,7 @@ class Validation:
     tolerances: Tolerances
     network_s: float
     num_requests: int
+    sensitivity: float = 0.0  # the engine-time spread of ``Figure.faster`` / ``slower``; 0: none
 
     def judged(self, kind: str) -> list[Figure]:
         return [f for f in self.figures if f.judged and f.kind == kind]
@@ -340,6 +354,20 @@ class Validation:
                 f"{label} {ok}/{len(mine)} within {tolerance:.0%} (worst {_pct(worst, False)})"
             )
         return f"{'PASS' if self.passed else 'MISS'}: " + "; ".join(parts)
+
+    def sensitivity_line(self) -> str:
+        """How many judged p50/p95 figures the tolerance reaches with the engine's time off
+        by at most the spread: a diagnostic beside the verdict, never part of it."""
+        if not self.sensitivity:
+            return ""
+        mine = self.judged("percentile")
+        tolerance = self.tolerances.percentile
+        reached = sum(f.reachable(tolerance) for f in mine)
+        return (
+            f"engine time x{1 - self.sensitivity:g} to x{1 + self.sensitivity:g} "
+            f"(not the verdict): p50/p95 within {tolerance:.0%} somewhere in the range: "
+            f"{reached}/{len(mine)}"
+        )
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -408,25 +436,59 @@ def _ordered(*groups: Iterable[str]) -> list[str]:
 
 
 def validate(
-    run: RecordedRun, service: ServiceModel, tolerances: Tolerances | None = None
+    run: RecordedRun,
+    service: ServiceModel,
+    tolerances: Tolerances | None = None,
+    sensitivity: float = 0.0,
 ) -> tuple[Validation, Side, Side]:
-    """Replay ``run`` through the simulator and compare; also both sides, for reports."""
+    """Replay ``run`` through the simulator and compare; also both sides, for reports.
+
+    With ``sensitivity`` s (0 < s < 0.5), the run is also replayed with the engine's every
+    batch or step s faster and s slower (``service.scaled``), and each figure carries those
+    two simulated values: near a knee a percentile can move far more than the engine time,
+    and this shows which disagreements an engine-time error of at most s explains.
+    """
     if service.task != run.task:
         raise ValueError(
             f"the service model is for {service.task} but the run ({run.source}) is "
             f"{run.task}: give the profile of the model the run served"
         )
+    if not 0.0 <= sensitivity < 0.5:
+        raise ValueError(f"the sensitivity is a fraction in [0, 0.5), got {sensitivity}")
     network_s = network_s_for(run, service)
     simulated, result = simulated_side(run, service, network_s)
     default = result.scenario.config.default_priority
     measured = measured_side(run, default)
     t = tolerances or Tolerances()
     figures = compare(measured, simulated, run.task, t)
-    return Validation(tuple(figures), t, network_s, len(run.requests)), measured, simulated
+    if sensitivity:
+        ends = []
+        for factor in (1.0 - sensitivity, 1.0 + sensitivity):
+            other = scaled(service, factor)
+            side, _ = simulated_side(run, other, network_s_for(run, other))
+            ends.append({(f.cls, f.name): f.simulated for f in compare(measured, side, run.task)})
+        faster, slower = ends
+        figures = [
+            replace(
+                f,
+                faster=faster.get((f.cls, f.name), math.nan),
+                slower=slower.get((f.cls, f.name), math.nan),
+            )
+            for f in figures
+        ]
+    validation = Validation(tuple(figures), t, network_s, len(run.requests), sensitivity)
+    return validation, measured, simulated
 
 
 # ----------------------------------------------------------------------------- output
 HEADER = ("class", "figure", "measured", "simulated", "error", "")
+
+
+def header(validation: Validation) -> tuple[str, ...]:
+    if not validation.sensitivity:
+        return HEADER
+    spread = f"{validation.sensitivity:.0%}"
+    return (*HEADER[:4], f"sim -{spread}", f"sim +{spread}", *HEADER[4:])
 
 
 def rows(validation: Validation) -> list[tuple[str, ...]]:
@@ -434,12 +496,14 @@ def rows(validation: Validation) -> list[tuple[str, ...]]:
     for f in validation.figures:
         digits = 0 if f.kind == "count" else 1
         mark = ("ok" if f.ok else "MISS") if f.judged else ""
+        ends = (_num(f.faster, digits), _num(f.slower, digits)) if validation.sensitivity else ()
         out.append(
             (
                 f.cls,
                 f.name,
                 _num(f.measured, digits),
                 _num(f.simulated, digits),
+                *ends,
                 _pct(f.error),
                 mark,
             )
@@ -449,13 +513,14 @@ def rows(validation: Validation) -> list[tuple[str, ...]]:
 
 def render(validation: Validation, title: str = "") -> str:
     body = rows(validation)
-    widths = [max(len(cell) for cell in column) for column in zip(HEADER, *body, strict=True)]
+    head = header(validation)
+    widths = [max(len(cell) for cell in column) for column in zip(head, *body, strict=True)]
     lines = [title] if title else []
     lines.append(
         f"{validation.num_requests:,} requests; round trip added to the simulation "
         f"(idle measured minus predicted): {validation.network_s * 1e3:.1f} ms"
     )
-    for row in (HEADER, *body):
+    for row in (head, *body):
         lines.append(
             "  ".join(
                 cell.ljust(w) if i < 2 else cell.rjust(w)
@@ -463,6 +528,8 @@ def render(validation: Validation, title: str = "") -> str:
             ).rstrip()
         )
     lines.append(validation.verdict())
+    if validation.sensitivity:
+        lines.append(validation.sensitivity_line())
     return "\n".join(lines)
 
 
@@ -472,6 +539,7 @@ def validation_data(validation: Validation) -> dict[str, Any]:
         "network_ms": validation.network_s * 1e3,
         "passed": validation.passed,
         "verdict": validation.verdict(),
+        "sensitivity": validation.sensitivity,
         "figures": [
             {
                 "class": f.cls,
@@ -481,6 +549,11 @@ def validation_data(validation: Validation) -> dict[str, Any]:
                 "error": _finite(f.error),
                 "judged": f.judged,
                 "ok": f.ok,
+                **(
+                    {"simulated_faster": _finite(f.faster), "simulated_slower": _finite(f.slower)}
+                    if validation.sensitivity
+                    else {}
+                ),
             }
             for f in validation.figures
         ],
