@@ -19,10 +19,13 @@ Parts (each optional):
    low load, at the fixed worker's measured closed-loop capacity and at twice it. Latency
    runs from the scheduled arrival; throughput is answers per second of the schedule.
 3. ``profile``: ``tidegate profile --model minilm`` on its default mixed workload (log-normal
-   lengths, median 64 tokens), short (batch sweep to 8, 2-6 s per point), with the fixed
-   rule's workers, then with workers that form batches of similar lengths
-   (``--length-candidates 64 --max-padding-ratio 1.25``); the knee batch of each, and each
-   batch point's worker CPU per input.
+   lengths, median 64 tokens) and its default SLO (none: the knee is where throughput stops
+   growing), short (batch sweep to 8, 2-6 s per point), with the fixed rule's workers, then
+   with workers that form batches of similar lengths, by the padding ratio
+   (``--length-candidates 64 --max-padding-ratio 1.25``) and on cost
+   (``--batch-overhead-tokens 35``, the pairing probe's fit here); the knee batch of each,
+   the knee the same points give under a 200 ms p95 SLO, and each batch point's worker CPU
+   per input.
 4. ``pairs``: the pairing probe, minilm in this process: random pairs of that workload, each
    run as one padded batch and as two batches of one; the batch of one's overhead and
    per-token cost, and engine time together over apart for every pair and for the pairs
@@ -87,6 +90,10 @@ ADAPTIVE_FLAGS: tuple[str, ...] = (
 LENGTH_CANDIDATES, MAX_PADDING_RATIO = 64, 1.25
 LENGTH_FLAGS = {"length_candidates": LENGTH_CANDIDATES, "max_padding_ratio": MAX_PADDING_RATIO}
 SLOW = 3.0  # the slow machine of the simulated part: every batch costs 3x the profile's
+# The rule on cost: a batch of one's overhead in tokens of work, as the pairing probe fitted
+# it on this machine (32 to 37 tokens at one engine thread, docs/benchmarks.md).
+OVERHEAD_TOKENS = 35.0
+SLO_P95_MS = 200.0  # reported beside the profile's own knee (which has no SLO by default)
 
 
 def _verdict(ok: bool, text: str) -> str:
@@ -342,15 +349,15 @@ _PATCHED_PROFILE = (
 )
 
 
-def _profile_knee(out: Path, length_aware: bool, quick: bool) -> dict[str, Any]:
+def _profile_knee(out: Path, worker: dict[str, Any], quick: bool) -> dict[str, Any]:
+    """``tidegate profile`` with its defaults (no SLO: the knee is where throughput stops
+    growing), a short sweep, the workers' batching settings patched to ``worker``."""
     args = [
         "profile",
         "--model",
         "minilm",
         "--max-batch",
         "8",
-        "--slo-p95-ms",
-        "200",
         "--batch-windows-ms",
         "0,5",
         "--max-concurrency",
@@ -362,8 +369,7 @@ def _profile_knee(out: Path, length_aware: bool, quick: bool) -> dict[str, Any]:
         "--out",
         str(out),
     ]
-    kwargs = LENGTH_FLAGS if length_aware else {}
-    code = _PATCHED_PROFILE.replace("{kwargs}", repr(kwargs))
+    code = _PATCHED_PROFILE.replace("{kwargs}", repr(worker))
     subprocess.run(
         [sys.executable, "-c", code, *args], check=True, env=loadgen.child_env(), cwd=ROOT
     )
@@ -387,6 +393,24 @@ def _knee_and_points(profile: dict[str, Any]) -> tuple[int | None, list[str]]:
             f"worker CPU {cpu} ms per input"
         )
     return knee.get("batch_size"), points
+
+
+def _knee_under_slo(profile: dict[str, Any], p95_ms: float) -> int | None:
+    """The batch sweep's knee under a p95 SLO, from the same points (core.capacity's rule)."""
+    from tidegate.core.capacity import CapacityPoint, Knee, Slo, find_knee
+
+    points = [
+        CapacityPoint(
+            size=float(p["batch_size"]),
+            throughput_per_s=p["throughput_rps"],
+            p95_ms=p["latency_p95_ms"] if p["num_requests"] else math.inf,
+            error_rate=p["num_errors"] / max(1, p["num_requests"] + p["num_errors"]),
+        )
+        for p in profile.get("points", [])
+        if p.get("sweep") == "batch"
+    ]
+    outcome = find_knee(points, Slo(p95_ms=p95_ms))
+    return int(outcome.point.size) if isinstance(outcome, Knee) else None
 
 
 # The pairing probe: what the rule's choice costs the engine itself, without the closed loop.
@@ -529,21 +553,35 @@ def pairing_probe(quick: bool) -> list[str]:
 
 def profile_part(quick: bool) -> list[str]:
     root = Path(tempfile.mkdtemp(prefix="bench_batching_profile_"))
-    before = _profile_knee(root / "fixed", False, quick)
-    after = _profile_knee(root / "length", True, quick)
+    workers = {
+        "fixed rule": {},
+        f"length-aware, ratio {MAX_PADDING_RATIO:g}": LENGTH_FLAGS,
+        f"length-aware, on cost ({OVERHEAD_TOKENS:g} tokens)": {
+            **LENGTH_FLAGS,
+            "batch_overhead_tokens": OVERHEAD_TOKENS,
+        },
+    }
+    profiles = {
+        name: _profile_knee(root / f"workers-{index}", kwargs, quick)
+        for index, (name, kwargs) in enumerate(workers.items())
+    }
     print(f"\n## tidegate profile, default mixed workload (files under {root})\n")
     knees = {}
-    for name, profile in (("fixed rule", before), ("length-aware", after)):
+    for name, profile in profiles.items():
         knee, points = _knee_and_points(profile)
         knees[name] = knee
-        print(f"- {name}: knee batch {knee}; {', '.join(points)}")
-    after_knee = knees["length-aware"]
+        print(
+            f"- {name}: knee batch {knee} (with a {SLO_P95_MS:g} ms p95 SLO, from the same "
+            f"points: {_knee_under_slo(profile, SLO_P95_MS)}); {', '.join(points)}"
+        )
+    fixed = knees.pop("fixed rule")
     return [
         _verdict(
-            after_knee is not None and after_knee > 1,
-            f"profile knee on the default mixed workload: {knees['fixed rule']} (fixed rule) "
-            f"-> {after_knee} (length-aware), target above batch 1",
+            knee is not None and knee > 1,
+            f"profile knee on the default mixed workload: {fixed} (fixed rule) -> {knee} "
+            f"({name}), target above batch 1",
         )
+        for name, knee in knees.items()
     ]
 
 
