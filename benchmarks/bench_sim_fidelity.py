@@ -95,7 +95,6 @@ from tidegate.sim.workload import Arrival
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
-CHAT = ROOT / "benchmarks" / "profiles" / "chat-short.csv"
 WINDOW_MS = 5.0
 PROMPT_TOKENS = 17  # the load generator's sentences: 16 to 19 tokens (sent_workload)
 CHAT_PROMPT_TOKENS = 40  # a sentence in the chat template; the run file gets the real count
@@ -295,12 +294,12 @@ def profile_through_gateway(args: argparse.Namespace, logdir: Path, tag: str) ->
         str(config),
         "--max-batch",
         str(MAX_BATCH),
+        "--workload",
+        str(sent_workload(logdir)),  # the lengths the load sends
         *(
-            ["--workload", str(sent_workload(logdir))]  # the lengths the load sends
+            []
             if SPEC.task == "embeddings"
             else [
-                "--workload",
-                str(CHAT),
                 "--max-concurrency",
                 str(MAX_BATCH),
                 "--max-output-tokens",
@@ -327,22 +326,42 @@ def profile_through_gateway(args: argparse.Namespace, logdir: Path, tag: str) ->
 
 
 def sent_workload(logdir: Path) -> Path:
-    """The token lengths of the sentences the load sends (``bench_gateway.TEXTS``, 16 to 19
-    tokens with MiniLM's tokenizer, special tokens counted as the worker's usage counts
-    them), as a workload file for the profile: a profile of other lengths has other batch
-    times (until 2026-12-03 it was profiled on 12-16 token texts, 20% fewer tokens, and the
-    real engine ran each batch 1.1-1.24x the profile's)."""
+    """The token lengths of what the load sends, as a workload file for the profile: a
+    profile of other lengths has other batch times (until 2026-12-03 minilm was profiled on
+    12-16 token texts, 20% fewer tokens, and the real engine ran each batch 1.1-1.24x the
+    profile's; smollm2 on ``chat-short.csv``'s 36-128 token prompts, mean 66).
+
+    minilm: ``bench_gateway.TEXTS``, 16 to 19 tokens with its tokenizer, special tokens
+    counted as the worker's usage counts them. smollm2: the same sentences as one user
+    message in its chat template (46 to 51 tokens, as its usage counts the prompt), each
+    answer ``SPEC.output_tokens`` long (the load's ``max_tokens``)."""
     from transformers import AutoTokenizer
 
-    from tidegate.engines.embeddings import minilm_path
-
     path = logdir / "sent-lengths.csv"
-    if not path.exists():
+    if path.exists():
+        return path
+    if SPEC.task == "embeddings":
+        from tidegate.engines.embeddings import minilm_path
+
         tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()))
-        lines = ["arrival_s,prompt_tokens,output_tokens,priority,tenant"]
-        for index, text in enumerate(bg.TEXTS):
-            lines.append(f"{index / 10:g},{len(tokenizer(text)['input_ids'])},0,,")
-        path.write_text("\n".join(lines) + "\n")
+        lengths = [(len(tokenizer(text)["input_ids"]), 0) for text in bg.TEXTS]
+    else:
+        from tidegate.engines.smollm2 import gguf_path
+
+        gguf = gguf_path()
+        tokenizer = AutoTokenizer.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, local_files_only=True
+        )
+        lengths = []
+        for text in bg.TEXTS:
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+            lengths.append((len(tokenizer(prompt)["input_ids"]), SPEC.output_tokens))
+    lines = ["arrival_s,prompt_tokens,output_tokens,priority,tenant"]
+    for index, (prompt_tokens, output_tokens) in enumerate(lengths):
+        lines.append(f"{index / 10:g},{prompt_tokens},{output_tokens},,")
+    path.write_text("\n".join(lines) + "\n")
     return path
 
 
