@@ -61,17 +61,19 @@ import heapq
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Final
 
 from tidegate.core.fairness import FairnessConfig, VirtualTokenCounters
 from tidegate.core.request import Request, RequestState
 
-_STATES = tuple(RequestState)
-_STATE_INDEX = {state: index for index, state in enumerate(_STATES)}
-_QUEUED = _STATE_INDEX[RequestState.QUEUED]
-_DISPATCHED = _STATE_INDEX[RequestState.DISPATCHED]
+# Final: a compiled build reads these as constants, not from the module's dict per use
+_STATES: Final = tuple(RequestState)
+_STATE_INDEX: Final = {state: index for index, state in enumerate(_STATES)}
+_QUEUED: Final = _STATE_INDEX[RequestState.QUEUED]
+_DISPATCHED: Final = _STATE_INDEX[RequestState.DISPATCHED]
 
 # Compact a FIFO once it holds this many more dead entries than live ones.
-_COMPACT_SLACK = 64
+_COMPACT_SLACK: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -537,8 +539,11 @@ class WaitQueue:
             self._tally[entry.request.priority][_DISPATCHED] += 1
         # Picked entries were at the fronts of their FIFOs: drop them now, so dead entries
         # never pile up where every later pick would have to step over them.
-        for level in {entry.request.priority for entry in chosen}:
-            self._front(level)
+        if len(chosen) == 1:  # the dispatcher's pick: no set of levels to build
+            self._front(chosen[0].request.priority)
+        else:
+            for level in {entry.request.priority for entry in chosen}:
+                self._front(level)
         return tuple(entry.request for entry in chosen)
 
     def preempt(
@@ -809,9 +814,12 @@ class WaitQueue:
     def _front(self, level: int) -> _Entry | None:
         """The oldest live entry of ``level``, dropping dead entries ahead of it."""
         fifo = self._fifos[level]
-        while fifo and not fifo[0].alive:
+        while fifo:  # (one test and one read of the front per step: compiled, generic calls)
+            entry = fifo[0]
+            if entry.alive:
+                return entry
             fifo.popleft()
-        return fifo[0] if fifo else None
+        return None
 
     def _select(
         self, n: int, now: float, max_tokens: int | None, levels: Iterable[int] | None
@@ -867,7 +875,10 @@ class WaitQueue:
         aging = self.config.aging
         served = None if levels is None else _as_set(levels)
         best: _Entry | None = None
-        best_key: tuple[float, float, int] | None = None
+        # the best head's key (effective priority, arrival, seq), compared field by field:
+        # compiled, a key tuple per head and the tuples' comparison are generic calls
+        best_priority = best_arrival = 0.0
+        best_seq = 0
         best_aged = False  # the head won by aging: it is taken, whatever its tenant
         target = -1  # the least urgent served level at or above the current one
         for level in range(len(self._fifos)):
@@ -879,19 +890,24 @@ class WaitQueue:
             if head is None:
                 continue
             request = head.request
+            arrival = request.arrival_at
             if target != level:
                 # Why: it runs only once aged to ``target``; time decides, not the float key.
-                at = reaches_level_at(level, target, request.arrival_at, aging)
+                at = reaches_level_at(level, target, arrival, aging)
                 if at is None or now < at:
                     continue
-            key = (
-                effective_priority(request.priority, request.arrival_at, now, aging),
-                request.arrival_at,
-                head.seq,
-            )
-            if best_key is None or key < best_key:
-                best_aged = target != level or best_key is not None
-                best, best_key = head, key
+            priority = effective_priority(request.priority, arrival, now, aging)
+            seq = head.seq
+            if (
+                best is None
+                or priority < best_priority
+                or (
+                    priority == best_priority
+                    and (arrival < best_arrival or (arrival == best_arrival and seq < best_seq))
+                )
+            ):
+                best_aged = target != level or best is not None
+                best, best_priority, best_arrival, best_seq = head, priority, arrival, seq
         if best is None:
             return []
         fair = self.fair
@@ -1057,7 +1073,8 @@ class WaitQueue:
 
 
 def _as_set(levels: Iterable[int]) -> set[int] | frozenset[int]:
-    return levels if isinstance(levels, set | frozenset) else set(levels)
+    # a tuple of types, not ``set | frozenset``: compiled, that union is built per call
+    return levels if isinstance(levels, (set, frozenset)) else set(levels)
 
 
 def _first_untaken(fifo: deque[_Entry], taken: set[int] | frozenset[int]) -> _Entry | None:
