@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from tidegate.core.prefix import PrefixAffinity, build_ring, pick_by_prefix
 
@@ -61,9 +62,9 @@ class ReplicaView:
         return self.ready and self.in_flight < self.slots
 
 
-DEFAULT_POWER_OF_TWO_ABOVE = 16
+DEFAULT_POWER_OF_TWO_ABOVE: Final = 16
 # what callers pass, tested before the Collection ABC, whose check is slow per dispatch
-_SCANNABLE: tuple[type, ...] = (list, tuple, type({}.values()))
+_SCANNABLE: Final[tuple[type, ...]] = (list, tuple, type({}.values()))
 
 
 def eligible_replicas(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from tidegate.core.routing import ReplicaView
 from tidegate.gateway.replicas import ReplicaState
@@ -26,6 +26,10 @@ from tidegate.sim.control import ReplicaStatus
 from tidegate.sim.gateway import Ticket
 from tidegate.sim.kernel import Kernel
 from tidegate.sim.workers import Worker
+
+# Final: a compiled build holds them, instead of looking the enum members up per use
+_READY: Final = ReplicaState.READY
+_DRAINING: Final = ReplicaState.DRAINING
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,9 +61,7 @@ class SimReplica:
         self.stopped_at: float | None = None
 
     def view(self) -> ReplicaView:
-        return ReplicaView(
-            self.id, self.pool, self.state is ReplicaState.READY, self.in_flight, self.slots
-        )
+        return ReplicaView(self.id, self.pool, self.state is _READY, self.in_flight, self.slots)
 
     def status(self) -> ReplicaStatus:
         return ReplicaStatus(
@@ -112,7 +114,7 @@ class Fleet:
         replica = self.live[replica_id]
         replica.in_flight -= count
         self.views[replica_id] = replica.view()
-        if replica.state is ReplicaState.DRAINING and replica.in_flight == 0:
+        if replica.state is _DRAINING and replica.in_flight == 0:
             self._stop(replica)
 
     # ------------------------------------------------------------------ lifecycle

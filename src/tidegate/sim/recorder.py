@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Final
 
 OUTCOMES = (
     "completed",
@@ -27,11 +28,12 @@ OUTCOMES = (
     "unservable",  # still queued at the end: no pool of the model takes its level, even aged
     "stranded",  # still queued at the end: nothing left could serve it (see sim.run)
 )
-_STEP = 1.01
-_LOG_STEP = math.log(_STEP)
-_ZERO_BELOW_S = 1e-9
-MAX_SAMPLES = 2000
-FIRST_SAMPLE_INTERVAL_S = 1.0
+# Final: a compiled build reads these as constants, not from the module's dict per use
+_STEP: Final = 1.01
+_LOG_STEP: Final = math.log(_STEP)
+_ZERO_BELOW_S: Final = 1e-9
+MAX_SAMPLES: Final = 2000
+FIRST_SAMPLE_INTERVAL_S: Final = 1.0
 
 
 class Histogram:
