@@ -165,7 +165,15 @@ def test_through_the_gateway_recovers_the_engine_curve_and_cleans_up(tmp_path: P
     assert closed is not None
     assert first["offered_rps"] == pytest.approx(0.85 * curve_capacity(closed, 4), rel=0.35)
     assert first["mean_batch_size"] >= 1.0
-    assert open_loop["factor"] >= 0.9  # the engine sleeps the known curve: never faster
+    # The engine sleeps the known curve: a loaded machine adds time, never takes it away.
+    # (Not the factor itself: it is over the closed loop's times, which a burst of other
+    # work during those points inflates as much as it likes.)
+    chosen = next(t for t in reversed(open_loop["tries"]) if t["factor"] is not None)
+    floor_batch = max(b for b in KNOWN_BATCH_MS if b <= chosen["mean_batch_size"])
+    assert chosen["batch_latency_ms"] >= KNOWN_BATCH_MS[floor_batch] * 0.9
+    assert open_loop["factor"] == pytest.approx(
+        chosen["batch_latency_ms"] / chosen["curve_ms"], rel=0.01
+    )
     assert curve == calibrated_curve(closed, open_loop["at_mean_batch"], open_loop["factor"])
     leftovers = [
         p.pid
