@@ -841,13 +841,15 @@ class WaitQueue:
             )
         ):
             return self._select_fair(n, now, max_tokens, levels)
-        targets = self._targets(levels)
+        # None: every level served, so every entry is eligible at its own level (no check)
+        targets = None if levels is None else self._targets(levels)
         heads: list[tuple[tuple[float, float, int], int, _Entry, Iterator[_Entry]]] = []
-        for level, target in enumerate(targets):
+        for level in range(len(self._fifos)):
+            target = level if targets is None else targets[level]
             if target < 0:
                 continue
             head = self._front(level)
-            if head is None or not self._eligible(head, target, now):
+            if head is None or (targets is not None and not self._eligible(head, target, now)):
                 continue
             cursor = iter(self._fifos[level])
             next(cursor)  # the head itself
@@ -864,7 +866,9 @@ class WaitQueue:
             chosen.append(entry)
             tokens += cost
             following = _next_alive(best[3])
-            if following is None or not self._eligible(following, targets[best[1]], now):
+            if following is None or (
+                targets is not None and not self._eligible(following, targets[best[1]], now)
+            ):
                 del heads[index]
             else:
                 heads[index] = self._candidate(following, best[3], now)

@@ -74,8 +74,22 @@ def eligible_replicas(
     aged_level: int | None = None,
 ) -> list[ReplicaView]:
     """Ready replicas with a free slot in pools that serve ``priority`` (aged: see serves)."""
-    serving = {name for name, pool in pools.items() if serves(pool, priority, aged_level)}
+    serving = _serving(pools, priority, aged_level)
     return [replica for replica in replicas if replica.pool in serving and replica.has_free_slot]
+
+
+def _serving(pools: Mapping[str, PoolSpec], priority: int, aged_level: int | None) -> set[str]:
+    """The names of the pools that serve ``priority`` (aged to ``aged_level``)."""
+    serving: set[str] = set()
+    if isinstance(pools, dict):  # what callers pass: compiled, a dict's own iteration
+        for name, pool in pools.items():
+            if serves(pool, priority, aged_level):
+                serving.add(name)
+    else:
+        for name, pool in pools.items():
+            if serves(pool, priority, aged_level):
+                serving.add(name)
+    return serving
 
 
 def serves(pool: PoolSpec, priority: int, aged_level: int | None = None) -> bool:
@@ -137,17 +151,35 @@ def servable_levels(
     takes the most urgent high-priority request even while low-priority work waits for the
     shared pool, and low work lands there only once it has aged to high.
     """
-    levels: set[int] = set()
+    if isinstance(pools, dict):  # what callers pass: compiled, a dict's own lookups
+        return _servable_levels(replicas, pools)
+    return _servable_levels(replicas, dict(pools))
+
+
+def _servable_levels(replicas: Iterable[ReplicaView], pools: dict[str, PoolSpec]) -> frozenset[int]:
+    # The first pool's levels are returned as they are (a frozenset already) unless a second
+    # pool adds to them: no set built per dispatch in the one-pool case.
+    first: frozenset[int] | None = None
+    levels: set[int] | None = None
     seen: set[str] = set()  # pools whose levels are in: the scan ends once every pool is
+    num_pools = len(pools)
     for replica in replicas:
         pool = replica.pool
         if pool in seen or pool not in pools or not replica.has_free_slot:
             continue
-        levels |= pools[pool].priorities
+        priorities = pools[pool].priorities
+        if first is None:
+            first = priorities
+        else:
+            if levels is None:
+                levels = set(first)
+            levels |= priorities
         seen.add(pool)
-        if len(seen) == len(pools):
+        if len(seen) == num_pools:
             break
-    return frozenset(levels)
+    if levels is not None:
+        return frozenset(levels)
+    return frozenset() if first is None else first
 
 
 def least_loaded(candidates: Sequence[ReplicaView]) -> ReplicaView:
