@@ -391,10 +391,10 @@ class Simulation:
     def _returned(self, item: tuple[str, list[Ticket]]) -> None:
         replica_id, tickets = item
         now = self.kernel.time
-        completed = self.recorder.completed
+        recorder = self.recorder  # (a method called on it: compiled, a native call)
         for ticket in tickets:
             first_at = ticket.first_at if ticket.first_at >= 0 else now
-            completed(
+            recorder.completed(
                 ticket.klass,
                 ticket.request.id,
                 ticket.request.arrival_at,
