@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -102,8 +103,13 @@ def closed_loop_rate(completions: Sequence[Completion], concurrency: int) -> flo
     return concurrency / total_s if total_s > 0 else 0.0
 
 
+def percentile_ms(seconds: Sequence[float], q: float, empty: float = math.nan) -> float:
+    """Percentile ``q`` of durations in seconds, in milliseconds; ``empty`` when none."""
+    return float(np.percentile(seconds, q)) * 1e3 if seconds else empty
+
+
 def _p95_ms(seconds: Sequence[float]) -> float:
-    return float(np.percentile(seconds, 95)) * 1e3 if seconds else float("inf")
+    return percentile_ms(seconds, 95, math.inf)
 
 
 @dataclass

@@ -37,10 +37,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
-import numpy as np
 
 from tidegate.engines.profile import Curve, MeasuredPoint
 from tidegate.profile.loadgen import Completion, RequestSpec, send
+from tidegate.profile.measure import percentile_ms
 from tidegate.profile.resources import ResourceMeter, usage_between
 
 DEFAULT_FRACTION = 0.85  # of the closed-loop capacity
@@ -189,17 +189,13 @@ async def measure_open_loop(
         offered_rps=sent / duration_s,
         completed_rps=len(ok_latencies) / span,
         num_refused=refused,
-        latency_p50_ms=_percentile_ms(ok_latencies, 50),
-        latency_p95_ms=_percentile_ms(ok_latencies, 95),
+        latency_p50_ms=percentile_ms(ok_latencies, 50),
+        latency_p95_ms=percentile_ms(ok_latencies, 95),
         mean_batch_size=mean_batch,
         batch_latency_ms=usage.batch_latency_ms,
         curve_ms=None if mean_batch is None else curve(mean_batch),
         duration_s=span,
     )
-
-
-def _percentile_ms(seconds: Sequence[float], q: float) -> float:
-    return float(np.percentile(seconds, q)) * 1e3 if seconds else float("nan")
 
 
 def chosen(tries: Sequence[OpenLoopPoint]) -> OpenLoopPoint | None:
