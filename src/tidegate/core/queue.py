@@ -852,7 +852,8 @@ class WaitQueue:
             if head is None or (targets is not None and not self._eligible(head, target, now)):
                 continue
             cursor = iter(self._fifos[level])
-            next(cursor)  # the head itself
+            for _ in cursor:  # the head itself (next(): a builtin looked up per call, compiled)
+                break
             heads.append(self._candidate(head, cursor, now))
         chosen: list[_Entry] = []
         tokens = 0

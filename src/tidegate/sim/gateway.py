@@ -40,10 +40,9 @@ same ``now`` the queue returns the same requests in the same order either way.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from tidegate.core.prefix import PrefixAffinity
 from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
@@ -51,6 +50,9 @@ from tidegate.core.request import Request
 from tidegate.core.routing import PoolSpec, ReplicaView, pick_replica, servable_levels
 from tidegate.sim.kernel import Kernel
 from tidegate.sim.recorder import Recorder
+
+if TYPE_CHECKING:  # (it imports this module: a cycle at run time)
+    from tidegate.sim.fleet import Fleet
 
 
 class Ticket:
@@ -100,26 +102,13 @@ class Ticket:
         return self.prompt_tokens + self.made_tokens
 
 
-class Replicas(Protocol):
-    """What the gateway needs of the fleet: views in a stable order, and sending."""
-
-    views: dict[str, ReplicaView]  # every live replica, in the order they were added
-    num_ready: int
-
-    def occupy(self, replica_id: str, ticket: Ticket) -> None:
-        """One more in flight on ``replica_id``: update its view and send ``ticket`` there."""
-
-    def free(self, replica_id: str, count: int) -> None:
-        """``count`` fewer in flight on ``replica_id``."""
-
-
 class SimGateway:
     def __init__(
         self,
         kernel: Kernel,
         queue: QueueConfig,
         pools: Mapping[str, PoolSpec],
-        replicas: Replicas,
+        replicas: Fleet,
         recorder: Recorder,
         affinity: PrefixAffinity | None = None,
     ) -> None:
@@ -136,7 +125,7 @@ class SimGateway:
         # Set for a controller that scales from zero (as the dispatcher's ``on_demand``):
         # with no replica ready, requests wait in the queue and the controller hears of it.
         self.on_demand: Callable[[], None] | None = None
-        self._choices = itertools.count()
+        self._num_choices = 0  # pick_replica's choice_key: 0, 1, 2... (a counter)
         self.num_dispatched = 0  # progress, for the run's guard against a queue that is stuck
         # Fair sharing's slot shares (core.fairness); False: the counters alone, as before
         # them (a benchmark's side-by-side; the gateway always bounds them).
@@ -250,8 +239,7 @@ class SimGateway:
         views = self.replicas.views
         pools = self.pools
         tickets = self.tickets
-        occupy = self.replicas.occupy
-        choices = self._choices
+        replicas = self.replicas  # the fleet: compiled, occupy is a direct call
         affinity = self.affinity
         if queue.fair is not None and self.slot_shares:
             queue.set_slots(sum(view.slots for view in views.values() if view.ready))
@@ -270,13 +258,16 @@ class SimGateway:
             for request in popped:
                 # Its aged level matters only where its own has no free slot (core.routing).
                 aged = None if request.priority in levels else queue.aged_level(request, now)
-                ticket = tickets.pop(request.id)
+                ticket = tickets[request.id]  # (dict.pop: a method looked up by name, compiled)
+                del tickets[request.id]
+                choice_key = self._num_choices
+                self._num_choices = choice_key + 1
                 view = pick_replica(
                     views.values(),
                     request.priority,
                     pools,
                     aged_level=aged,
-                    choice_key=next(choices),
+                    choice_key=choice_key,
                     prefix_key=ticket.prefix_key,
                     affinity=affinity,
                 )
@@ -285,7 +276,7 @@ class SimGateway:
                 ticket.replica = view.id
                 if self._tenants_on is not None:
                     self._tenants_on[view.id][request.tenant] += 1
-                occupy(view.id, ticket)
+                replicas.occupy(view.id, ticket)
         return levels
 
     def _preempt(self, now: float) -> None:

@@ -64,7 +64,7 @@ class Kernel:
         pop = heapq.heappop
         feed = self._feed
         on_item = self._feed_callback
-        item = next(feed, None)
+        item = _next(feed)
         count = 0
         try:
             while True:
@@ -78,7 +78,7 @@ class Kernel:
                     count += 1
                     assert on_item is not None
                     on_item(argument)
-                    item = next(feed, None)
+                    item = _next(feed)
                     continue
                 if not heap or heap[0][0] > until:
                     break
@@ -90,3 +90,10 @@ class Kernel:
             self.num_events += count
             if item is not None:  # not reached: put it back in front of the rest
                 self._feed = itertools.chain((item,), feed)
+
+
+def _next(items: Iterator[tuple[float, Any]]) -> tuple[float, Any] | None:
+    """``next(items, None)``: compiled, a loop's step instead of looking ``next`` up per item."""
+    for item in items:
+        return item
+    return None

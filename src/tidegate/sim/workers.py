@@ -63,23 +63,17 @@ class Sink(Protocol):
     def refused(self, replica_id: str, ticket: Ticket) -> None: ...
 
 
-class Worker(Protocol):
-    def submit(self, ticket: Ticket) -> None: ...
-
-    def take_waiting(self) -> list[Ticket]:
-        """Remove and return what has not started (a drain hands it back)."""
-
-    def take_running(self) -> list[Ticket]:
-        """Stop the engine and return what it was running (a drain that timed out)."""
-
-
 def worker_level(level: int, num_worker_levels: int) -> int:
     """The gateway forwards ``X-Tidegate-Priority`` = its level, capped to the worker's."""
     return min(level, num_worker_levels - 1)
 
 
-class _LocalQueue:
-    """The worker's own WaitQueue: what both workers share."""
+class Worker:
+    """The worker's own WaitQueue: what both workers share, and what the fleet calls.
+
+    A base class rather than a Protocol: compiled, the fleet's ``submit`` per request is then
+    a direct call instead of a method looked up by name.
+    """
 
     def __init__(
         self,
@@ -114,12 +108,20 @@ class _LocalQueue:
         self.tickets[request.id] = ticket
         return True
 
+    def submit(self, ticket: Ticket) -> None:
+        raise NotImplementedError  # each worker's own
+
     def take_waiting(self) -> list[Ticket]:
+        """Remove and return what has not started (a drain hands it back)."""
         now = self.kernel.time
         return [self.tickets.pop(r.id) for r in self.queue.pop(len(self.queue) or 1, now)]
 
+    def take_running(self) -> list[Ticket]:
+        """Stop the engine and return what it was running (a drain that timed out)."""
+        raise NotImplementedError  # each worker's own
 
-class BatchWorker(_LocalQueue):
+
+class BatchWorker(Worker):
     def __init__(
         self,
         kernel: Kernel,
@@ -180,7 +182,11 @@ class BatchWorker(_LocalQueue):
     def _done(self, version: int) -> None:
         if version != self._version:
             return
-        tickets = [self.tickets.pop(request.id) for request in self.running]
+        waiting = self.tickets
+        tickets = []
+        for request in self.running:  # (dict.pop is a method looked up by name, compiled)
+            tickets.append(waiting[request.id])
+            del waiting[request.id]
         self.planner.finished(self.running, self.kernel.time, self._started_at)
         self.running = ()
         self._plan(self.kernel.time)
@@ -193,7 +199,7 @@ class BatchWorker(_LocalQueue):
         return tickets
 
 
-class SequenceWorker(_LocalQueue):
+class SequenceWorker(Worker):
     def __init__(
         self,
         kernel: Kernel,
