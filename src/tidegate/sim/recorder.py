@@ -39,13 +39,22 @@ FIRST_SAMPLE_INTERVAL_S: Final = 1.0
 class Histogram:
     """Counts of positive values in buckets ``[1.01^b, 1.01^(b+1))`` plus a count of zeros."""
 
-    __slots__ = ("buckets", "maximum", "total", "zeros")
+    __slots__ = ("_counts", "_low", "maximum", "total", "zeros")
 
     def __init__(self) -> None:
-        self.buckets: dict[int, int] = {}
+        # Counts of the buckets _low, _low + 1, ... in a list, grown to what was seen: a
+        # compiled add is then a list index, not two dict lookups of a boxed int key.
+        self._counts: list[int] = []
+        self._low = 0
         self.zeros = 0
         self.total = 0
         self.maximum = 0.0
+
+    @property
+    def buckets(self) -> dict[int, int]:
+        """Count per bucket, of the buckets that counted something (in bucket order)."""
+        low = self._low
+        return {low + index: count for index, count in enumerate(self._counts) if count}
 
     def add(self, value: float) -> None:
         self.total += 1
@@ -55,8 +64,27 @@ class Histogram:
             self.zeros += 1
             return
         bucket = math.floor(math.log(value) / _LOG_STEP)
-        buckets = self.buckets
-        buckets[bucket] = buckets.get(bucket, 0) + 1
+        index = bucket - self._low
+        counts = self._counts
+        if 0 <= index < len(counts):
+            counts[index] += 1
+        else:
+            self._add_outside(bucket)
+
+    def _add_outside(self, bucket: int) -> None:
+        """One more in ``bucket``, below or above the buckets held so far: grow the list."""
+        counts = self._counts
+        if not counts:
+            self._low = bucket
+            counts.append(1)
+            return
+        if bucket < self._low:
+            counts = [0] * (self._low - bucket) + counts
+            self._counts = counts
+            self._low = bucket
+        else:
+            counts.extend([0] * (bucket - self._low - len(counts) + 1))
+        counts[bucket - self._low] += 1
 
     def percentile(self, q: float) -> float | None:
         """The value at rank ``ceil(q/100 * n)`` (nearest rank); None when empty."""
@@ -66,8 +94,9 @@ class Histogram:
         seen = self.zeros
         if seen >= rank:
             return 0.0
-        for bucket in sorted(self.buckets):
-            seen += self.buckets[bucket]
+        buckets = self.buckets
+        for bucket in sorted(buckets):
+            seen += buckets[bucket]
             if seen >= rank:
                 return min(self.maximum, math.exp((bucket + 0.5) * _LOG_STEP))
         return self.maximum
@@ -76,8 +105,9 @@ class Histogram:
         """(value, fraction at or below it) at each bucket's upper edge."""
         points = [(0.0, self.zeros / self.total)] if self.total and self.zeros else []
         seen = self.zeros
-        for bucket in sorted(self.buckets):
-            seen += self.buckets[bucket]
+        buckets = self.buckets
+        for bucket in sorted(buckets):
+            seen += buckets[bucket]
             points.append((math.exp((bucket + 1) * _LOG_STEP), seen / self.total))
         return points
 
@@ -88,13 +118,24 @@ class ClassStats:
 
     name: str
     slo_ttft_s: float
-    outcomes: Counter[str] = field(default_factory=Counter)
+    # Outcomes but the completions' count, which num_completed keeps (an int: a Counter's
+    # item update is a slow generic call, compiled); ``outcomes`` puts them together.
+    counted: Counter[str] = field(default_factory=Counter)
     wait: Histogram = field(default_factory=Histogram)  # time in the gateway queue
     ttft: Histogram = field(default_factory=Histogram)  # to the first token (embeddings: e2e)
     e2e: Histogram = field(default_factory=Histogram)
     slo_met: int = 0  # completed with ttft <= slo_ttft_s
     max_wait_s: float = 0.0  # longest gateway-queue wait of any request of this class
     output_tokens: int = 0
+    num_completed: int = 0
+
+    @property
+    def outcomes(self) -> Counter[str]:
+        """Requests per outcome (a new Counter: write to ``counted``)."""
+        outcomes = Counter(self.counted)
+        if self.num_completed:  # its key is in ``counted`` since the first, in its place
+            outcomes["completed"] = self.num_completed
+        return outcomes
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +181,7 @@ class Recorder:
     ) -> None:
         """A request that did not complete: shed, rejected, expired, unavailable, failed."""
         stats = self.classes[klass]
-        stats.outcomes[outcome] += 1
+        stats.counted[outcome] += 1
         if wait_s is not None and wait_s > stats.max_wait_s:
             stats.max_wait_s = wait_s
         if at > self.last_done_at:
@@ -155,7 +196,7 @@ class Recorder:
         run (throughput, goodput) stays that of the work that was done.
         """
         stats = self.classes[klass]
-        stats.outcomes[outcome] += 1
+        stats.counted[outcome] += 1
         if self.requests is not None:
             self.requests.append(RequestRecord(request_id, stats.name, outcome, wait_s, None, None))
 
@@ -170,7 +211,9 @@ class Recorder:
         output_tokens: int,
     ) -> None:
         stats = self.classes[klass]
-        stats.outcomes["completed"] += 1
+        if not stats.num_completed:
+            stats.counted["completed"] = 0  # its place among the outcomes, as the first came
+        stats.num_completed += 1
         wait = dispatched_at - arrival_at
         ttft = first_at - arrival_at
         e2e = done_at - arrival_at
