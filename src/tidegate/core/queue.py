@@ -841,6 +841,10 @@ class WaitQueue:
             )
         ):
             return self._select_fair(n, now, max_tokens, levels)
+        if levels is None:
+            in_order = self._select_unaged(n, now, max_tokens)
+            if in_order is not None:
+                return in_order
         # None: every level served, so every entry is eligible at its own level (no check)
         targets = None if levels is None else self._targets(levels)
         heads: list[tuple[tuple[float, float, int], int, _Entry, Iterator[_Entry]]] = []
@@ -873,6 +877,38 @@ class WaitQueue:
                 del heads[index]
             else:
                 heads[index] = self._candidate(following, best[3], now)
+        return chosen
+
+    def _select_unaged(self, n: int, now: float, max_tokens: int | None) -> list[_Entry] | None:
+        """``_select`` with every level served, while no level head has waited past the aging
+        threshold (None otherwise): every queued request's effective priority is then its
+        own level, so the merge's order is the level FIFOs one after the other (each in
+        (arrival, seq) order already), and it is taken so, without a key per request."""
+        aging = self.config.aging
+        threshold_s = aging.threshold_s
+        for level in range(len(self._fifos)):
+            head = self._front(level)
+            if head is None:
+                continue
+            arrival_at = head.request.arrival_at
+            # the head waited longest in its level: if it has not aged, none behind it has
+            if now - arrival_at - threshold_s > 0.0 or effective_priority(
+                level, arrival_at, now, aging
+            ) != float(level):
+                return None
+        chosen: list[_Entry] = []
+        tokens = 0
+        for fifo in self._fifos:
+            for entry in fifo:
+                if len(chosen) >= n:
+                    return chosen
+                if not entry.alive:
+                    continue
+                cost = entry.request.cost_tokens
+                if max_tokens is not None and chosen and tokens + cost > max_tokens:
+                    return chosen  # stops at the first that does not fit, as the merge
+                chosen.append(entry)
+                tokens += cost
         return chosen
 
     def _select_one(self, now: float, levels: Iterable[int] | None) -> list[_Entry]:
