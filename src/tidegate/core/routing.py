@@ -63,8 +63,9 @@ class ReplicaView:
 
 
 DEFAULT_POWER_OF_TWO_ABOVE: Final = 16
-# what callers pass, tested before the Collection ABC, whose check is slow per dispatch
-_SCANNABLE: Final[tuple[type, ...]] = (list, tuple, type({}.values()))
+# what callers pass, tested before the Collection ABC, whose check is slow per dispatch: a
+# list or a tuple (compiled, a type check each), or a dict's values (its exact type)
+_DICT_VALUES: Final[type] = type({}.values())
 
 
 def eligible_replicas(
@@ -74,21 +75,25 @@ def eligible_replicas(
     aged_level: int | None = None,
 ) -> list[ReplicaView]:
     """Ready replicas with a free slot in pools that serve ``priority`` (aged: see serves)."""
-    serving = _serving(pools, priority, aged_level)
+    names = _serving(pools, priority, aged_level)
+    if len(names) == 1:  # one pool (the common case): a string comparison, not a set lookup
+        only = names[0]
+        return [r for r in replicas if r.pool == only and r.has_free_slot]
+    serving = set(names)
     return [replica for replica in replicas if replica.pool in serving and replica.has_free_slot]
 
 
-def _serving(pools: Mapping[str, PoolSpec], priority: int, aged_level: int | None) -> set[str]:
-    """The names of the pools that serve ``priority`` (aged to ``aged_level``)."""
-    serving: set[str] = set()
+def _serving(pools: Mapping[str, PoolSpec], priority: int, aged_level: int | None) -> list[str]:
+    """The names of the pools that serve ``priority`` (aged to ``aged_level``), each once."""
+    serving: list[str] = []
     if isinstance(pools, dict):  # what callers pass: compiled, a dict's own iteration
         for name, pool in pools.items():
             if serves(pool, priority, aged_level):
-                serving.add(name)
+                serving.append(name)
     else:
         for name, pool in pools.items():
             if serves(pool, priority, aged_level):
-                serving.add(name)
+                serving.append(name)
     return serving
 
 
@@ -124,7 +129,11 @@ def pick_replica(
     ``prefix_key``, the key's replica among those (bounded load) instead of the least loaded;
     the ring spans every replica in ``replicas``, so a full one keeps its keys for later.
     """
-    if not isinstance(replicas, _SCANNABLE) and not isinstance(replicas, Collection):
+    if (
+        not isinstance(replicas, (list, tuple))
+        and type(replicas) is not _DICT_VALUES
+        and not isinstance(replicas, Collection)
+    ):
         replicas = list(replicas)  # it may be scanned twice
     candidates = eligible_replicas(replicas, priority, pools)
     if not candidates and aged_level is not None and aged_level < priority:
@@ -159,6 +168,12 @@ def servable_levels(
 def _servable_levels(replicas: Iterable[ReplicaView], pools: dict[str, PoolSpec]) -> frozenset[int]:
     # The first pool's levels are returned as they are (a frozenset already) unless a second
     # pool adds to them: no set built per dispatch in the one-pool case.
+    if len(pools) == 1:  # the scan ends at the first replica of the pool with a free slot
+        for replica in replicas:
+            spec = pools.get(replica.pool)
+            if spec is not None and replica.has_free_slot:
+                return spec.priorities
+        return frozenset()
     first: frozenset[int] | None = None
     levels: set[int] | None = None
     seen: set[str] = set()  # pools whose levels are in: the scan ends once every pool is
@@ -185,9 +200,16 @@ def _servable_levels(replicas: Iterable[ReplicaView], pools: dict[str, PoolSpec]
 def least_loaded(candidates: Sequence[ReplicaView]) -> ReplicaView:
     """The least loaded of ``candidates`` (at least one), ties to the smallest id: what
     ``min`` by ``(load, id)`` gives, without a key tuple per replica on every dispatch."""
+    return _least_loaded(candidates if isinstance(candidates, list) else list(candidates))
+
+
+def _least_loaded(candidates: list[ReplicaView]) -> ReplicaView:
+    # compiled: a list indexed natively; the first is not compared with itself (its id
+    # comparison, on the tie, is a generic call)
     best = candidates[0]
     best_load = best.load
-    for replica in candidates:
+    for index in range(1, len(candidates)):
+        replica = candidates[index]
         load = replica.load
         if load < best_load or (load == best_load and replica.id < best.id):
             best, best_load = replica, load

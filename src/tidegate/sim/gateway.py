@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from tidegate.core.prefix import PrefixAffinity
 from tidegate.core.queue import QueueConfig, Rejected, WaitQueue
@@ -53,6 +53,8 @@ from tidegate.sim.recorder import Recorder
 
 if TYPE_CHECKING:  # (it imports this module: a cycle at run time)
     from tidegate.sim.fleet import Fleet
+
+_NO_LEVELS: Final[frozenset[int]] = frozenset()
 
 
 class Ticket:
@@ -233,18 +235,18 @@ class SimGateway:
     def dispatch(self, now: float) -> frozenset[int]:
         """Dispatch what free slots can take; returns the levels still servable then."""
         queue = self.queue
-        levels: frozenset[int] = frozenset()
+        levels = _NO_LEVELS
         if not len(queue):
             return levels
-        views = self.replicas.views
+        views = self.replicas.views.values()  # a live view: it follows occupy's updates
         pools = self.pools
         tickets = self.tickets
         replicas = self.replicas  # the fleet: compiled, occupy is a direct call
         affinity = self.affinity
         if queue.fair is not None and self.slot_shares:
-            queue.set_slots(sum(view.slots for view in views.values() if view.ready))
+            queue.set_slots(sum(view.slots for view in views if view.ready))
         while len(queue):
-            levels = servable_levels(views.values(), pools)
+            levels = servable_levels(views, pools)
             if not levels:
                 if self._tenants_on is not None:
                     self._preempt(now)
@@ -263,7 +265,7 @@ class SimGateway:
                 choice_key = self._num_choices
                 self._num_choices = choice_key + 1
                 view = pick_replica(
-                    views.values(),
+                    views,
                     request.priority,
                     pools,
                     aged_level=aged,
