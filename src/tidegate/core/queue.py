@@ -277,7 +277,7 @@ class WaitQueue:
         self._seq = 0
         # Counts per level and state (indices of _STATES): a list, since hashing an Enum
         # member on every admission and pick is a measurable share of the simulator's time.
-        self._tally = [[0] * len(_STATES) for _ in range(num_levels)]
+        self._tally: list[list[int]] = [[0] * len(_STATES) for _ in range(num_levels)]
         self.drain = DrainRate(self.config.drain_window_s, self.config.min_drain_samples)
         fairness = self.config.fairness
         self.fair = None if fairness is None else VirtualTokenCounters(fairness)
@@ -464,7 +464,8 @@ class WaitQueue:
                 )
             shed = (victim,)
         self._insert(request, deadline_at)
-        self._tally[level][_QUEUED] += 1
+        counts = self._tally[level]
+        counts[_QUEUED] = counts[_QUEUED] + 1  # (+=: a generic add, compiled)
         return Admitted(request, deadline_at, shed)
 
     def requeue(self, request: Request, now: float) -> None:
@@ -484,7 +485,8 @@ class WaitQueue:
         self._insert(request, deadline_at)
         if fair is not None:  # and its slot given back, once it is in the backlog again
             fair.vacate(request.tenant)
-        self._tally[level][_QUEUED] += 1
+        counts = self._tally[level]
+        counts[_QUEUED] = counts[_QUEUED] + 1  # (+=: a generic add, compiled)
 
     def set_slots(self, slots: int) -> None:
         """Fair sharing's slot bound: the model's in-flight slots now (its ready replicas'
@@ -536,7 +538,8 @@ class WaitQueue:
             if fair is not None:  # charged and holding a slot before it leaves the backlog
                 fair.picked(entry.request.tenant, entry.request.cost_tokens)
             self._remove(entry)  # (fair sharing: the tenant leaves the backlog there)
-            self._tally[entry.request.priority][_DISPATCHED] += 1
+            counts = self._tally[entry.request.priority]
+            counts[_DISPATCHED] = counts[_DISPATCHED] + 1  # (+=: a generic add, compiled)
         # Picked entries were at the fronts of their FIFOs: drop them now, so dead entries
         # never pile up where every later pick would have to step over them.
         if len(chosen) == 1:  # the dispatcher's pick: no set of levels to build
@@ -600,7 +603,8 @@ class WaitQueue:
             self.fair.picked(entry.request.tenant, entry.request.cost_tokens)
         self._remove(entry)
         level = entry.request.priority
-        self._tally[level][_DISPATCHED] += 1
+        counts = self._tally[level]
+        counts[_DISPATCHED] = counts[_DISPATCHED] + 1  # (+=: a generic add, compiled)
         self._front(level)
 
     def cancel(self, request_id: str) -> Request | None:
@@ -639,7 +643,9 @@ class WaitQueue:
         return Rejected(request, reason, retry_after_s, message)
 
     def _count(self, level: int, state: RequestState) -> None:
-        self._tally[level][_STATE_INDEX[state]] += 1
+        counts = self._tally[level]
+        index = _STATE_INDEX[state]
+        counts[index] = counts[index] + 1  # (+=: a generic add, compiled)
 
     def _insert(self, request: Request, deadline_at: float | None) -> None:
         entry = _Entry(request, deadline_at, self._seq)
@@ -664,7 +670,8 @@ class WaitQueue:
         ):
             self._insert_tenant(entry)
         self._live[request.id] = entry
-        self._depths[level] += 1
+        depths = self._depths
+        depths[level] = depths[level] + 1  # (+=: a generic add, compiled)
         self._num_tokens += request.cost_tokens
         if deadline_at is not None:
             heapq.heappush(self._deadlines, (deadline_at, entry.seq, entry))
@@ -757,7 +764,8 @@ class WaitQueue:
                     self.fair.leave(entry.request.tenant)
             else:
                 self._remove_tenant(entry)
-        self._depths[level] -= 1
+        depths = self._depths
+        depths[level] = depths[level] - 1  # (-=: a generic subtract, compiled)
         self._num_tokens -= entry.request.cost_tokens
         fifo = self._fifos[level]
         if len(fifo) > 2 * self._depths[level] + _COMPACT_SLACK:

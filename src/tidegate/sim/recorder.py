@@ -67,7 +67,7 @@ class Histogram:
         index = bucket - self._low
         counts = self._counts
         if 0 <= index < len(counts):
-            counts[index] += 1
+            counts[index] = counts[index] + 1  # (+=: a generic add, compiled)
         else:
             self._add_outside(bucket)
 
