@@ -419,6 +419,15 @@ SCENARIOS = [
         AutoscaleConfig(min_replicas=0, stable_window_s=0.0),
     ),
     ScaleScenario(
+        # the smallest float of demand: demand / target underflows to 0, a replica it needs
+        "a_vanishing_demand_from_zero_is_remembered_as_one_replica",
+        0,
+        (Tick(1, 5e-324, ready=0), Tick(2, 0)),
+        (1, 1),
+        (R.COLD_START_FROM_ZERO, R.STABILIZED),
+        AutoscaleConfig(min_replicas=0, max_replicas=1, target_per_replica=4.0),
+    ),
+    ScaleScenario(
         "a_schedule_floor_keeps_a_model_from_zero",
         0,
         (Tick(0, 0, local_time=(MON, 9 * 60)),),

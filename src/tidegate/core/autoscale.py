@@ -381,6 +381,10 @@ def _recommend(tick: _Tick) -> tuple[int, ScaleReason]:
     if 1.0 - down_tolerance <= tick.signal.ratio <= 1.0 + up_tolerance:
         return tick.current, ScaleReason.TOLERANCE
     recommendation = math.ceil(tick.signal.demand / tick.config.target_per_replica)
+    if tick.signal.demand > 0:
+        # Any demand needs a replica, also one so small that the division underflows to 0
+        # (Hypothesis found 5e-324 / 4): a scale from zero is then remembered as one.
+        recommendation = max(1, recommendation)
     if tick.signal.ratio > 1.0 and recommendation < tick.current:
         # The ready replicas are overloaded; the warming ones will take their share. Never
         # read that as a reason to scale down (the HPA's change-of-direction guard).
