@@ -5,15 +5,17 @@ of blocks (``--capacity-blocks``, default 3000: llama2-70b's KV is 160 MiB per b
 about 470 GB of 8 A100s is left after the weights: ~2900 blocks); a joining sequence's cached
 leading blocks are not prefilled again, and the rest is priced by splitwise-sim's
 ``perf_model.csv`` (llama2-70b on A100, TP8: prefill by prompt tokens, decode by batch).
-Routing: ``least_loaded`` (pick_replica as the gateway does) and ``prefix`` (core.prefix: the
-leading ``--prefix-blocks`` blocks hashed onto a ring with bounded load,
-``--load-factor``). Two fleets: 4 replicas at 0.25x the trace's rate and 8 at 0.5x (the
+Routing: ``least_loaded`` (pick_replica as the gateway does), ``prefix`` (core.prefix's
+default: the leading ``--prefix-blocks`` blocks hashed onto a ring, the preferred replica's
+requests and tokens in flight bounded by ``--load-factor`` times its share) and, side by
+side, ``prefix, requests bound only`` (``token_bound: false``, the rule before
+2026-12-03). Two fleets: 4 replicas at 0.25x the trace's rate and 8 at 0.5x (the
 prefill, the scarce part, is then busy about 55-60% of the time; the engine runs some step
 nearly always, since decoding never stops at these loads).
 
 Figures per (replicas, routing): block hit rate, TTFT p50/p95/p99, throughput, and the
 replicas' busy and prefill shares (mean / max). Target per fleet: prefix's hit rate higher
-and its TTFT p99 no worse than least loaded's (PASS), else MISS.
+and its TTFT p99 no worse than least loaded's (PASS), else MISS (the default rule's).
 
 Run (about 15 s of CPU for the full trace; ``--quick``: the first 30 minutes, 4 replicas):
     .venv/bin/python benchmarks/bench_prefix.py [--quick] [--traces ../shared/traces]
@@ -68,6 +70,12 @@ class Row:
     prefill_max: float
 
 
+def routing_name(affinity: PrefixAffinity | None) -> str:
+    if affinity is None:
+        return "least_loaded"
+    return "prefix" if affinity.token_bound else "prefix, requests bound only"
+
+
 def run_one(
     workload: Workload,
     replicas: int,
@@ -85,7 +93,7 @@ def run_one(
         service,
         workload,
         {"shared": replicas},
-        label="prefix" if affinity else "least_loaded",
+        label=routing_name(affinity),
         affinity=affinity,
         prefix_blocks=args.prefix_blocks,
         prefix_cache=PrefixCache(args.capacity_blocks),
@@ -133,6 +141,7 @@ def verdicts(rows: list[Row]) -> list[str]:
     out = []
     by = {(r.replicas, r.routing): r for r in rows}
     for replicas in sorted({r.replicas for r in rows}):
+        # the verdict is the default rule's (core.prefix: requests and tokens bounded)
         least, prefix = by[(replicas, "least_loaded")], by[(replicas, "prefix")]
         ok = prefix.hit_rate > least.hit_rate and prefix.ttft_p99_s <= least.ttft_p99_s
         out.append(
@@ -162,7 +171,11 @@ def main() -> int:
         workload: Workload = open_trace(trace, Scale(rate_scale))
         if args.quick:
             workload = Limited(workload, QUICK_S)
-        for affinity in (None, PrefixAffinity(load_factor=args.load_factor)):
+        for affinity in (
+            None,
+            PrefixAffinity(load_factor=args.load_factor, token_bound=False),
+            PrefixAffinity(load_factor=args.load_factor),
+        ):
             rows.append(run_one(workload, replicas, rate_scale, affinity, args))
             print(f"{replicas} replicas, {rows[-1].routing}: done", file=sys.stderr, flush=True)
     lines = verdicts(rows)

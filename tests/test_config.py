@@ -1240,6 +1240,13 @@ def test_prefix_affinity_routing_is_resolved_and_rendered() -> None:
     assert routing.policy == "prefix_affinity"
     assert routing.affinity is not None
     assert routing.affinity.load_factor == 1.5
+    assert routing.affinity.token_bound  # the default: the tokens in flight bounded too
+    off = parse(with_models({**model, "routing": {**model["routing"], "token_bound": False}}))
+    assert off.model("big").routing.affinity is not None
+    assert not off.model("big").routing.affinity.token_bound
+    assert (
+        parse(yaml.safe_load(render_config(off))).model("big").routing == off.model("big").routing
+    )
     assert routing.prefix_key("x" * 99) is None  # not one whole block
     assert routing.prefix_key("x" * 150) == routing.prefix_key("x" * 100 + "y" * 50)
     assert parse(with_models({**model, "routing": None})).model("big").routing.affinity is None

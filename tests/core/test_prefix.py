@@ -26,8 +26,16 @@ POOLS = {
 AFFINITY = PrefixAffinity(load_factor=1.25, slack=1.0, num_vnodes=64)
 
 
-def rep(rid: str, pool: str = "shared", *, ready: bool = True, busy: int = 0, slots: int = 8):
-    return ReplicaView(id=rid, pool=pool, ready=ready, in_flight=busy, slots=slots)
+def rep(
+    rid: str,
+    pool: str = "shared",
+    *,
+    ready: bool = True,
+    busy: int = 0,
+    slots: int = 8,
+    tokens: int = 0,
+) -> ReplicaView:
+    return ReplicaView(id=rid, pool=pool, ready=ready, in_flight=busy, slots=slots, tokens=tokens)
 
 
 def key_owned_by(owner: str, ids: list[str], *, avoid_second: str | None = None) -> int:
@@ -125,6 +133,40 @@ def test_prefix_route(case: PrefixScenario) -> None:
     assert (picked.id if picked else None) == case.expected
 
 
+# One request each, but a holds a 60k-token prompt: its share of the tokens with a 2k-token
+# request is 1.25 * (63,000 + 2,000) / 4 = 20,312, far under 60,000.
+HEAVY_A = [rep("a", busy=1, tokens=60_000), *(rep(i, busy=1, tokens=1_000) for i in "bcd")]
+
+
+@pytest.mark.parametrize(
+    ("views", "token_bound", "expected"),
+    [
+        pytest.param(HEAVY_A, True, second_on_ring(KEY_A, IDS), id="heavy_in_tokens_walks_on"),
+        pytest.param(HEAVY_A, False, "a", id="requests_bound_alone_sees_one_request"),
+        pytest.param(
+            # 1.25 * (4 * 5,000 + 2,000) / 4 = 6,875 >= 5,000: even tokens, the key's own
+            [rep(i, busy=1, tokens=5_000) for i in IDS],
+            True,
+            "a",
+            id="even_tokens_keep_the_key",
+        ),
+        pytest.param(
+            # an idle fleet groups a key whatever the request's size
+            [rep(i) for i in IDS],
+            True,
+            "a",
+            id="idle_fleet_groups_a_large_request",
+        ),
+    ],
+)
+def test_the_bound_in_tokens(views: list[ReplicaView], token_bound: bool, expected: str) -> None:
+    affinity = PrefixAffinity(load_factor=1.25, slack=1.0, token_bound=token_bound)
+    tokens = 50_000 if views[0].tokens == 0 else 2_000
+    picked = pick_replica(views, 1, POOLS, prefix_key=KEY_A, affinity=affinity, tokens=tokens)
+    assert picked is not None
+    assert picked.id == expected
+
+
 def test_own_level_pool_first_is_kept_under_affinity() -> None:
     # A medium request aged to high: the shared pool (its own level) has room, so the key's
     # replica in the dedicated pool is not taken even though it is idle.
@@ -181,6 +223,7 @@ affinities = st.builds(
     load_factor=st.floats(1.0, 3.0),
     slack=st.floats(0.0, 4.0),
     num_vnodes=st.integers(1, 32),
+    token_bound=st.booleans(),
 )
 
 
@@ -202,23 +245,33 @@ def test_equal_loads_same_key_same_replica(
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(0, 7), st.sampled_from([4, 8, 16])), min_size=1, max_size=8),
+    st.lists(
+        st.tuples(st.integers(0, 7), st.sampled_from([4, 8, 16]), st.integers(0, 100_000)),
+        min_size=1,
+        max_size=8,
+    ),
     keys,
     affinities,
+    st.integers(1, 100_000),
 )
 def test_pick_exceeds_the_bound_only_when_every_candidate_would(
-    loads: list[tuple[int, int]], key: int, affinity: PrefixAffinity
+    loads: list[tuple[int, int, int]], key: int, affinity: PrefixAffinity, tokens: int
 ) -> None:
     views = [
-        rep(f"r{i}", busy=min(busy, slots - 1), slots=slots)
-        for i, (busy, slots) in enumerate(loads)
+        rep(f"r{i}", busy=min(busy, slots - 1), slots=slots, tokens=held)
+        for i, (busy, slots, held) in enumerate(loads)
     ]
-    picked = pick_replica(views, 1, POOLS, prefix_key=key, affinity=affinity)
+    picked = pick_replica(views, 1, POOLS, prefix_key=key, affinity=affinity, tokens=tokens)
     assert picked is not None  # every view has a free slot
     total_in = sum(v.in_flight for v in views)
     total_slots = sum(v.slots for v in views)
-    if not within_bound(picked, total_in, total_slots, affinity):
-        assert not any(within_bound(v, total_in, total_slots, affinity) for v in views)
+    total_tokens = sum(v.tokens for v in views)
+
+    def fits(view: ReplicaView) -> bool:
+        return within_bound(view, total_in, total_slots, affinity, total_tokens, tokens)
+
+    if not fits(picked):
+        assert not any(fits(v) for v in views)
         assert picked.load == min(v.load for v in views)
 
 

@@ -1,5 +1,6 @@
 """Prefix-affinity routing in the gateway (``routing: {policy: prefix_affinity}``): chats that
-share a system prompt go to one replica while its load allows; other prefixes spread."""
+share a system prompt go to one replica while its load allows; other prefixes spread; the
+dispatcher counts each replica's tokens in flight for the bound in tokens."""
 
 from __future__ import annotations
 
@@ -7,9 +8,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from tests.gateway.harness import flat_profile, gateway_client, sim_worker
 from tests.procs import DEADLINE_S
+from tidegate.core.prefix import PrefixAffinity, build_ring
+from tidegate.core.queue import QueueConfig
+from tidegate.core.request import Request
+from tidegate.core.routing import PoolSpec
+from tidegate.gateway.dispatcher import ModelDispatcher
+from tidegate.gateway.replicas import Replica, ReplicaState
+from tidegate.metrics import GatewayMetrics
 
 BLOCK = 64  # characters per prefix block in these tests
 
@@ -59,3 +68,40 @@ async def test_a_shared_system_prompt_stays_on_one_replica(tmp_path: Path) -> No
             after = [_completed(url) for url in urls]
     assert sum(after) == 28
     assert min(after) > min(counts)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("token_bound", [True, False])
+async def test_the_dispatcher_counts_tokens_in_flight_for_the_bound(token_bound: bool) -> None:
+    """A replica holding a long prompt is passed over for its key's next short request while
+    the tokens are bounded (request counts alone would take it); release and retry give the
+    tokens back."""
+    replicas = [
+        Replica(rid, "m", "shared", "upstream", "http://unused", ReplicaState.READY, 8)
+        for rid in ("r0", "r1")
+    ]
+    dispatcher = ModelDispatcher(
+        "m",
+        QueueConfig(),
+        {"shared": PoolSpec("shared", frozenset({0, 1, 2}))},
+        replicas,
+        GatewayMetrics(CollectorRegistry()),
+        affinity=PrefixAffinity(token_bound=token_bound),
+    )
+    key = 12345
+    owner = next(r for r in replicas if r.id == build_ring(["r0", "r1"]).owner(key))
+    other = next(r for r in replicas if r is not owner)
+    long = dispatcher.submit(Request("long", "m", 1, 0.0, None, 40_000), prefix_key=key)
+    assert long.assigned.result() is owner
+    assert owner.tokens == 40_000
+    assert owner.view().tokens == 40_000
+    short = dispatcher.submit(Request("short", "m", 1, 0.0, None, 500), prefix_key=key)
+    # tokens: 40,000 <= 1.25 * 40,500 / 2 = 25,312 does not hold; requests: 2 <= 2.25 does
+    assert short.assigned.result() is (other if token_bound else owner)
+    assert owner.tokens + other.tokens == 40_500
+    dispatcher.release(long.assigned.result(), completed=True, request=long.request)
+    assert owner.tokens == (0 if token_bound else 500)
+    again = dispatcher.retry(short, short.assigned.result())
+    dispatcher.release(again.assigned.result(), completed=True, request=again.request)
+    assert owner.tokens == other.tokens == 0
+    assert owner.in_flight == other.in_flight == 0

@@ -75,18 +75,22 @@ def conversations(num: int, turns: int, gap_s: float) -> list[Arrival]:
     return arrivals
 
 
-def run(affinity: PrefixAffinity | None) -> dict[str, Any]:
-    scenario = Scenario(
+def scenario_of(affinity: PrefixAffinity | None, num_conversations: int = 12) -> Scenario:
+    gap_s = 2.0 if num_conversations <= 12 else 1.0
+    return Scenario(
         config_of(GENERATE),
         "llm",
         flat_step_service(10.0),
-        Listed("conversations", conversations(num=12, turns=6, gap_s=2.0)),
+        Listed("conversations", conversations(num=num_conversations, turns=6, gap_s=gap_s)),
         {"shared": 4},
         label="prefix" if affinity else "least_loaded",
         affinity=affinity,
         prefix_cache=PrefixCache(capacity_blocks=40, prefill_s_per_block=0.05),
     )
-    return run_summary(Simulation(scenario).run())
+
+
+def run(affinity: PrefixAffinity | None) -> dict[str, Any]:
+    return run_summary(Simulation(scenario_of(affinity)).run())
 
 
 def ttft_p50(summary: dict[str, Any]) -> float:
@@ -108,3 +112,20 @@ def test_prefix_affinity_hits_more_and_prefills_less_than_least_loaded() -> None
 
 def test_same_scenario_same_report() -> None:
     assert run(PrefixAffinity()) == run(PrefixAffinity())
+
+
+def test_the_fleet_counts_tokens_in_flight_only_for_prefix_affinity() -> None:
+    """With affinity each replica's view carries the cost_tokens of its requests in flight
+    (the bound in tokens reads them), all given back by the end; without, nothing is
+    counted. On 24 conversations the bound changes the routing: were the tokens not counted,
+    the two affinity runs would be the same."""
+    caches = []
+    for affinity in (None, PrefixAffinity(), PrefixAffinity(token_bound=False)):
+        simulation = Simulation(scenario_of(affinity, num_conversations=24))
+        caches.append(run_summary(simulation.run())["overall"]["prefix_cache"])
+        assert simulation.fleet.count_tokens is (affinity is not None)
+        for replica in simulation.fleet.live.values():
+            assert replica.in_flight == 0
+            assert replica.tokens == 0
+    _, by_tokens, by_requests = caches
+    assert by_tokens != by_requests

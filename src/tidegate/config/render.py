@@ -139,6 +139,7 @@ def _render_model(model: ModelSpec, levels: tuple[str, ...]) -> dict[str, Any]:
             out["routing"].update(
                 load_factor=affinity.load_factor,
                 slack=affinity.slack,
+                token_bound=affinity.token_bound,
                 block_chars=model.routing.block_chars,
                 num_blocks=model.routing.num_blocks,
             )

@@ -443,7 +443,9 @@ class _Resolver:
                 "remove routing, or set policy: least_loaded",
             )
         return RoutingSpec(
-            affinity=PrefixAffinity(load_factor=r.load_factor, slack=r.slack),
+            affinity=PrefixAffinity(
+                load_factor=r.load_factor, slack=r.slack, token_bound=r.token_bound
+            ),
             num_blocks=r.num_blocks,
             block_chars=r.block_chars,
         )

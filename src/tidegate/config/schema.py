@@ -163,6 +163,7 @@ class _RoutingIn(_Strict):
     policy: Literal["least_loaded", "prefix_affinity"] = "least_loaded"
     load_factor: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.25
     slack: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
+    token_bound: bool = True
     block_chars: PositiveInt = 2048
     num_blocks: PositiveInt = 2
 

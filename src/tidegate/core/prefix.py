@@ -8,10 +8,19 @@ the system prompt and the conversation so far) to a replica with a consistent-ha
 load allows: consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018,
 as llm-d's and SGLang's routers bound their cache-aware choice). The preferred replica takes
 the request when, with it, its in-flight requests stay within
-``load_factor * (in-flight of all candidates + 1) * its slots / their slots + slack``; else
-the next replica clockwise on the ring that does, and when none does (every candidate is
-over the bound), the least loaded. So a hot prefix spills over to the next replicas of the
-ring instead of queueing behind one, and the same neighbours take it every time.
+``load_factor * (in-flight of all candidates + 1) * its slots / their slots + slack``, and
+(``token_bound``, on by default) the tokens it holds in flight (``ReplicaView.tokens``: the
+requests' ``cost_tokens``, prompt and output) stay within ``load_factor * (tokens of all
+candidates + this request's) * its slots / their slots``; else the next replica clockwise on
+the ring that does, and when none does (every candidate is over the bound), the least
+loaded. So a hot prefix spills over to the next replicas of the ring instead of queueing
+behind one, and the same neighbours take it every time.
+
+Why a bound in tokens as well: counting requests does not see how much work each holds. On
+the Mooncake conversation trace (prompts up to 85k tokens) the request bound let affinity
+stack short prompts behind a few long prefills on one replica: a higher cache hit rate but
+TTFT p99 16-20% worse than least loaded; bounded in tokens too, the hit rate stays higher and
+the p99 is no worse (benchmarks/bench_prefix.py, docs/benchmarks.md).
 
 Invariants (tested): the choice is among ``candidates`` only (``pick_replica``'s rules of
 pools, readiness and free slots are decided before, see ``core.routing``); with equal loads
@@ -47,6 +56,7 @@ class PrefixAffinity:
     load_factor: float = DEFAULT_LOAD_FACTOR  # >= 1: allowed multiple of the mean load
     slack: float = DEFAULT_SLACK  # in-flight requests allowed above that multiple
     num_vnodes: int = DEFAULT_NUM_VNODES
+    token_bound: bool = True  # bound the tokens in flight as well as the requests
 
     def __post_init__(self) -> None:
         if self.load_factor < 1 or self.slack < 0 or self.num_vnodes < 1:
@@ -114,31 +124,51 @@ def build_ring(ids: Iterable[str], num_vnodes: int = DEFAULT_NUM_VNODES) -> Hash
 
 
 def within_bound(
-    view: ReplicaView, total_in_flight: int, total_slots: int, affinity: PrefixAffinity
+    view: ReplicaView,
+    total_in_flight: int,
+    total_slots: int,
+    affinity: PrefixAffinity,
+    total_tokens: int = 0,
+    tokens: int = 0,
 ) -> bool:
-    """Whether ``view`` may take one more request under the bounded-load rule."""
+    """Whether ``view`` may take one more request (of ``tokens``) under the bounded-load
+    rule: ``total_in_flight`` and ``total_tokens`` are the candidates' (module docstring)."""
     share = view.slots / total_slots if total_slots > 0 else 1.0
     allowed = affinity.load_factor * (total_in_flight + 1) * share + affinity.slack
-    return view.in_flight + 1 <= allowed
+    if view.in_flight + 1 > allowed:
+        return False
+    if not affinity.token_bound:
+        return True
+    # No slack in tokens: what a replica holds before this request is what is bounded, so
+    # an idle fleet (nothing held) still groups every key on its replica.
+    return view.tokens <= affinity.load_factor * (total_tokens + tokens) * share
 
 
 def pick_by_prefix(
-    candidates: Sequence[ReplicaView], key: int, ring: HashRing, affinity: PrefixAffinity
+    candidates: Sequence[ReplicaView],
+    key: int,
+    ring: HashRing,
+    affinity: PrefixAffinity,
+    tokens: int = 0,
 ) -> ReplicaView | None:
-    """The first replica clockwise from ``key`` among ``candidates`` within the bound, else the
-    least loaded candidate; None when there is no candidate."""
+    """The first replica clockwise from ``key`` among ``candidates`` within the bound for a
+    request of ``tokens``, else the least loaded candidate; None when there is none."""
     if not candidates:
         return None
     total_in_flight = 0
     total_slots = 0
+    total_tokens = 0
     by_id: dict[str, ReplicaView] = {}
     for view in candidates:
         total_in_flight += view.in_flight
+        total_tokens += view.tokens
         total_slots += view.slots
         by_id[view.id] = view
     for rid in ring.walk(key):
         found = by_id.get(rid)
-        if found is not None and within_bound(found, total_in_flight, total_slots, affinity):
+        if found is not None and within_bound(
+            found, total_in_flight, total_slots, affinity, total_tokens, tokens
+        ):
             return found
     # Why least loaded: every candidate is over the bound (or off the ring), so affinity
     # has nothing left to give and spreading the load is all that matters.

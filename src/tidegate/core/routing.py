@@ -44,14 +44,18 @@ class ReplicaView:
     ready: bool
     in_flight: int
     slots: int  # requests it accepts at once: its engine's batching capacity
+    tokens: int  # cost_tokens (prompt + output) of its requests in flight; 0: not counted
 
     # written out for a compiled build, as Request's __init__ (core/request.py)
-    def __init__(self, id: str, pool: str, ready: bool, in_flight: int, slots: int) -> None:
+    def __init__(
+        self, id: str, pool: str, ready: bool, in_flight: int, slots: int, tokens: int = 0
+    ) -> None:
         object.__setattr__(self, "id", id)
         object.__setattr__(self, "pool", pool)
         object.__setattr__(self, "ready", ready)
         object.__setattr__(self, "in_flight", in_flight)
         object.__setattr__(self, "slots", slots)
+        object.__setattr__(self, "tokens", tokens)
 
     @property
     def load(self) -> float:
@@ -121,13 +125,15 @@ def pick_replica(
     choice_key: int = 0,
     prefix_key: int | None = None,
     affinity: PrefixAffinity | None = None,
+    tokens: int = 0,
 ) -> ReplicaView | None:
     """The replica to send a request of ``priority`` (aged to ``aged_level``) to, or None.
 
     Replicas of pools serving ``priority`` first; only when none has a free slot, those of
     pools serving a level it has aged to (module docstring). With ``affinity`` and a
-    ``prefix_key``, the key's replica among those (bounded load) instead of the least loaded;
-    the ring spans every replica in ``replicas``, so a full one keeps its keys for later.
+    ``prefix_key``, the key's replica among those (bounded load, the request's ``tokens``
+    counted: core.prefix) instead of the least loaded; the ring spans every replica in
+    ``replicas``, so a full one keeps its keys for later.
     """
     if (
         not isinstance(replicas, (list, tuple))
@@ -142,7 +148,7 @@ def pick_replica(
         return None
     if affinity is not None and prefix_key is not None:
         ring = build_ring((replica.id for replica in replicas), affinity.num_vnodes)
-        return pick_by_prefix(candidates, prefix_key, ring, affinity)
+        return pick_by_prefix(candidates, prefix_key, ring, affinity, tokens)
     if len(candidates) > power_of_two_above:
         # Why sample: a full scan per request costs O(replicas) and sends every gateway copy
         # to the same least-loaded replica at once; two random choices avoid both.

@@ -221,6 +221,8 @@ class ModelDispatcher:
         """A dispatched request (``request``, when the caller names it) finished or failed:
         its slot is free again."""
         replica.in_flight -= 1
+        if request is not None:
+            replica.tokens = max(0, replica.tokens - request.cost_tokens)
         if completed:
             self.queue.drain.record(self.clock.now())
         fair = self.queue.fair
@@ -309,6 +311,7 @@ class ModelDispatcher:
         until it is replaced, and a node takes all its replicas with it).
         """
         failed.in_flight -= 1
+        failed.tokens = max(0, failed.tokens - ticket.request.cost_tokens)
         if self._fair:
             self._unhold(failed, ticket.request)  # requeue gives its tenant's slot back
         request = dataclasses.replace(ticket.request, attempt=ticket.request.attempt + 1)
@@ -421,6 +424,7 @@ class ModelDispatcher:
         """``ticket`` goes to ``replica``: it holds a slot there (and, with fair sharing,
         its tenant is one of the replica's holders) and its handler goes on."""
         replica.in_flight += 1
+        replica.tokens += ticket.request.cost_tokens
         if self._fair:
             self._holders.setdefault(replica.id, deque()).append(ticket.request.tenant)
         views[replica.id] = replica.view()
@@ -449,6 +453,7 @@ class ModelDispatcher:
             choice_key=next(self._choices),
             prefix_key=prefix_key,
             affinity=self.affinity,
+            tokens=request.cost_tokens,
         )
 
     def _wake_for_aging(self, levels: frozenset[int]) -> None:

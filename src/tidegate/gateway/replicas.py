@@ -38,6 +38,7 @@ class Replica:
     state: ReplicaState = ReplicaState.STARTING
     slots: int = 1
     in_flight: int = 0
+    tokens: int = 0  # cost_tokens of its requests in flight (prefix affinity's bound)
     restarts: int = 0
     pid: int | None = None  # local workers: the process (and process group) id
     detail: str = ""  # why it is in its state, for /admin/replicas and logs
@@ -72,7 +73,7 @@ class Replica:
             self.on_change(self)
 
     def view(self) -> ReplicaView:
-        return ReplicaView(self.id, self.pool, self.ready, self.in_flight, self.slots)
+        return ReplicaView(self.id, self.pool, self.ready, self.in_flight, self.slots, self.tokens)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -84,6 +85,7 @@ class Replica:
             "state": self.state.value,
             "slots": self.slots,
             "in_flight": self.in_flight,
+            "tokens_in_flight": self.tokens,
             "restarts": self.restarts,
             "pid": self.pid,
             "detail": self.detail,

@@ -48,7 +48,17 @@ class FleetEvents(Protocol):
 
 
 class SimReplica:
-    __slots__ = ("id", "in_flight", "pool", "slots", "started_at", "state", "stopped_at", "worker")
+    __slots__ = (
+        "id",
+        "in_flight",
+        "pool",
+        "slots",
+        "started_at",
+        "state",
+        "stopped_at",
+        "tokens",
+        "worker",
+    )
 
     def __init__(self, replica_id: str, pool: str, slots: int, worker: Worker, at: float):
         self.id = replica_id
@@ -57,11 +67,14 @@ class SimReplica:
         self.worker = worker
         self.state = ReplicaState.STARTING
         self.in_flight = 0
+        self.tokens = 0  # cost_tokens in flight, when the fleet counts them
         self.started_at = at
         self.stopped_at: float | None = None
 
     def view(self) -> ReplicaView:
-        return ReplicaView(self.id, self.pool, self.state is _READY, self.in_flight, self.slots)
+        return ReplicaView(
+            self.id, self.pool, self.state is _READY, self.in_flight, self.slots, self.tokens
+        )
 
     def status(self) -> ReplicaStatus:
         return ReplicaStatus(
@@ -92,11 +105,16 @@ class Fleet:
         self.stopped: list[SimReplica] = []
         self.num_ready = 0
         self._ids = itertools.count()
+        # The tokens in flight per replica (``ReplicaView.tokens``), for prefix affinity's
+        # bound in tokens (the gateway's ``free`` then gives them back); off, nothing counted.
+        self.count_tokens = False
 
     # ------------------------------------------------------------------ routing side
     def occupy(self, replica_id: str, ticket: Ticket) -> None:
         replica = self.live[replica_id]
         replica.in_flight += 1
+        if self.count_tokens:
+            replica.tokens += ticket.request.cost_tokens
         self.views[replica_id] = replica.view()
         if self.half_hop_s:
             self.kernel.at(self.kernel.time + self.half_hop_s, self._deliver, ticket)
@@ -110,9 +128,11 @@ class Fleet:
             return
         replica.worker.submit(ticket)
 
-    def free(self, replica_id: str, count: int) -> None:
+    def free(self, replica_id: str, count: int, tokens: int = 0) -> None:
+        """``count`` requests of ``tokens`` in all (when counted) left ``replica_id``."""
         replica = self.live[replica_id]
         replica.in_flight -= count
+        replica.tokens -= tokens
         self.views[replica_id] = replica.view()
         if replica.state is _DRAINING and replica.in_flight == 0:
             self._stop(replica)

@@ -176,7 +176,7 @@ class SimGateway:
 
         When ``completed``, their tokens settle their tenants' counters.
         """
-        self.replicas.free(replica_id, len(tickets))
+        self.replicas.free(replica_id, len(tickets), self._tokens(tickets))
         self._left(replica_id, tickets)
         queue = self.queue
         if completed:
@@ -191,7 +191,7 @@ class SimGateway:
     def retry(self, tickets: Sequence[Ticket], replica_id: str) -> None:
         """Dispatched requests that had not started go back in front of their levels."""
         now = self.kernel.time
-        self.replicas.free(replica_id, len(tickets))
+        self.replicas.free(replica_id, len(tickets), self._tokens(tickets))
         self._left(replica_id, tickets)
         for ticket in tickets:
             request = dataclasses.replace(ticket.request, attempt=ticket.request.attempt + 1)
@@ -200,6 +200,16 @@ class SimGateway:
             self.queue.requeue(request, now)
             self.tickets[request.id] = ticket
         self.dispatch(now)
+
+    def _tokens(self, tickets: Sequence[Ticket]) -> int:
+        """What ``tickets`` held of the replica's tokens in flight: counted only for prefix
+        affinity's bound (``Fleet.count_tokens``)."""
+        if self.affinity is None:
+            return 0
+        tokens = 0
+        for ticket in tickets:
+            tokens += ticket.request.cost_tokens
+        return tokens
 
     # ------------------------------------------------------------------ timers
     def _arm(self, at: float) -> None:
@@ -272,6 +282,7 @@ class SimGateway:
                     choice_key=choice_key,
                     prefix_key=ticket.prefix_key,
                     affinity=affinity,
+                    tokens=request.cost_tokens,
                 )
                 assert view is not None  # a servable level has an eligible replica
                 ticket.dispatched_at = now

@@ -158,6 +158,7 @@ class Simulation:
             scenario.lifecycle,
             scenario.network_s,
         )
+        self.fleet.count_tokens = scenario.affinity is not None
         queue = config.queue_config(spec.name)
         pools = config.pool_specs()
         self.gateway = SimGateway(
