@@ -395,22 +395,16 @@ def _knee_and_points(profile: dict[str, Any]) -> tuple[int | None, list[str]]:
     return knee.get("batch_size"), points
 
 
-def _knee_under_slo(profile: dict[str, Any], p95_ms: float) -> int | None:
-    """The batch sweep's knee under a p95 SLO, from the same points (core.capacity's rule)."""
-    from tidegate.core.capacity import CapacityPoint, Knee, Slo, find_knee
+def _knee_under_slo(path: Path, p95_ms: float) -> int | None:
+    """The batch sweep's knee under a p95 SLO, from the same points (the profiler's rule)."""
+    from tidegate.core.capacity import Slo
+    from tidegate.engines.profile import load_profile
+    from tidegate.profile.recommend import sweep_knee
 
-    points = [
-        CapacityPoint(
-            size=float(p["batch_size"]),
-            throughput_per_s=p["throughput_rps"],
-            p95_ms=p["latency_p95_ms"] if p["num_requests"] else math.inf,
-            error_rate=p["num_errors"] / max(1, p["num_requests"] + p["num_errors"]),
-        )
-        for p in profile.get("points", [])
-        if p.get("sweep") == "batch"
-    ]
-    outcome = find_knee(points, Slo(p95_ms=p95_ms))
-    return int(outcome.point.size) if isinstance(outcome, Knee) else None
+    knee = sweep_knee(load_profile(path).points, "batch", Slo(p95_ms=p95_ms), "embeddings")
+    if knee is None or not knee.meets_slo:
+        return None
+    return knee.point.batch_size
 
 
 # The pairing probe: what the rule's choice costs the engine itself, without the closed loop.
@@ -561,10 +555,8 @@ def profile_part(quick: bool) -> list[str]:
             "batch_overhead_tokens": OVERHEAD_TOKENS,
         },
     }
-    profiles = {
-        name: _profile_knee(root / f"workers-{index}", kwargs, quick)
-        for index, (name, kwargs) in enumerate(workers.items())
-    }
+    folders = {name: root / f"workers-{index}" for index, name in enumerate(workers)}
+    profiles = {name: _profile_knee(folders[name], workers[name], quick) for name in workers}
     print(f"\n## tidegate profile, default mixed workload (files under {root})\n")
     knees = {}
     for name, profile in profiles.items():
@@ -572,7 +564,8 @@ def profile_part(quick: bool) -> list[str]:
         knees[name] = knee
         print(
             f"- {name}: knee batch {knee} (with a {SLO_P95_MS:g} ms p95 SLO, from the same "
-            f"points: {_knee_under_slo(profile, SLO_P95_MS)}); {', '.join(points)}"
+            f"points: {_knee_under_slo(folders[name] / 'profile.json', SLO_P95_MS)}); "
+            f"{', '.join(points)}"
         )
     fixed = knees.pop("fixed rule")
     return [
