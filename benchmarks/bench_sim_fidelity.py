@@ -259,10 +259,15 @@ def show_profile(path: Path) -> float:
     open_loop = measured.get("open_loop")
     if open_loop:  # the curve above is already calibrated by it (profile/openloop.py)
         for attempt in open_loop["tries"]:
+            engine = (
+                f"mean batch {attempt['mean_batch_size']}, {attempt['batch_latency_ms']} ms per "
+                "batch"
+                if attempt.get("mean_running") is None
+                else f"{attempt['mean_running']} decoding, {attempt['itl_mean_ms']} ms per token"
+            )
             print(
-                f"    open loop at {attempt['offered_rps']:.1f} req/s: answered "
-                f"{attempt['completed_rps']:.1f}, mean batch {attempt['mean_batch_size']}, "
-                f"{attempt['batch_latency_ms']} ms per batch against {attempt['curve_ms']} "
+                f"    open loop at {attempt['offered_rps']:.2f} req/s: answered "
+                f"{attempt['completed_rps']:.2f}, {engine} against {attempt['curve_ms']} "
                 f"closed-loop: factor {attempt['factor']}, kept up {attempt['kept_up']}",
                 flush=True,
             )

@@ -10,15 +10,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.profile.test_outputs import EMBEDDINGS_POINTS, SLO, record
+from tests.profile.test_outputs import EMBEDDINGS_POINTS, GENERATE_POINTS, SLO, record
+from tidegate.core.capacity import Slo
 from tidegate.engines.profile import Curve, load_profile
 from tidegate.errors import ConfigError
+from tidegate.profile.loadgen import Completion
 from tidegate.profile.openloop import (
     OpenLoopPoint,
     calibrated_curve,
     chosen,
     closed_loop_curve,
+    closed_loop_itl,
     curve_capacity,
+    decoding_gaps,
+    spans_s,
 )
 from tidegate.profile.options import ProfileOptions
 from tidegate.profile.outputs import write_outputs
@@ -90,6 +95,15 @@ def test_the_closed_loop_curve_and_its_capacity() -> None:
     assert closed_loop_curve([]) is None
 
 
+def test_the_spans_hold_a_few_request_lifetimes_and_enough_arrivals() -> None:
+    fast = [dataclasses.replace(p, latency_p50_ms=40.0) for p in EMBEDDINGS_POINTS]
+    assert spans_s(200.0, 5.0, fast) == (3.0, 10.0)  # the floors
+    assert spans_s(200.0, 12.0, fast) == (3.0, 12.0)  # --min-seconds-per-point
+    chats = [dataclasses.replace(p, latency_p50_ms=3200.0) for p in EMBEDDINGS_POINTS]
+    assert spans_s(2.0, 5.0, chats) == (6.4, 20.0)  # two lifetimes; 40 arrivals at 2/s
+    assert spans_s(2.0, 5.0, []) == (3.0, 20.0)
+
+
 def test_the_last_try_with_a_factor_is_the_one_used() -> None:
     first, second = open_point(completed_rps=50.0), open_point(batch_latency_ms=26.0)
     assert chosen([first, second]) is second
@@ -144,3 +158,100 @@ def test_the_fraction_defaults_only_where_the_planner_starts_the_stack(tmp_path:
         ProfileOptions(model="m", out=tmp_path, open_loop=0.85)
     with pytest.raises(ConfigError, match="fraction"):
         ProfileOptions(model="m", out=tmp_path, through_gateway=True, open_loop=-1.0)
+
+
+# ----------------------------------------------------------------------------- generation
+def stream(sent_at: float, ttft_s: float, gaps_s: list[float], ok: bool = True) -> Completion:
+    """A streamed answer sent at ``sent_at``: its tokens at the first one plus the gaps."""
+    latency = ttft_s + sum(gaps_s)
+    return Completion(sent_at + latency, latency, ok, 46, len(gaps_s) + 1, ttft_s, gaps_s)
+
+
+ITL = Curve((1.0, 2.0), (10.0, 20.0))
+
+
+def test_each_gap_is_set_against_the_curve_at_the_sequences_decoding_then() -> None:
+    a = stream(0.0, 1.0, [1.0, 1.0])  # tokens at 1, 2, 3
+    b = stream(1.5, 1.0, [1.0])  # tokens at 2.5, 3.5
+    failed = stream(0.0, 0.5, [5.0], ok=False)  # an error answer decodes nothing
+    # a's gap 1-2 alone (1 decoding); a's 2-3 and b's 2.5-3.5 with both (a's last token at 3
+    # is not before the middle 3.0)
+    running, measured_ms, curve_ms = decoding_gaps([a, b, failed], ITL, 0.0, 10.0) or (0, 0, 0)
+    assert running == pytest.approx(5 / 3)
+    assert measured_ms == pytest.approx(1000.0)
+    assert curve_ms == pytest.approx((10.0 + 20.0 + 20.0) / 3)
+    # only the gaps whose middle is in the span count; the others' streams still do
+    assert decoding_gaps([a, b], ITL, 2.0, 4.0) == pytest.approx((2.0, 1000.0, 20.0))
+    assert decoding_gaps([a, b], ITL, 5.0, 6.0) is None
+    assert decoding_gaps([], ITL, 0.0, 1.0) is None
+
+
+@given(
+    sends=st.lists(
+        st.tuples(
+            st.floats(0.0, 10.0),
+            st.floats(0.01, 2.0),
+            st.lists(st.floats(0.01, 1.0), min_size=1, max_size=6),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_the_count_of_sequences_decoding_is_between_one_and_all_of_them(
+    sends: list[tuple[float, float, list[float]]],
+) -> None:
+    completions = [stream(at, ttft, gaps) for at, ttft, gaps in sends]
+    result = decoding_gaps(completions, ITL, 0.0, 100.0)
+    assert result is not None
+    running, measured_ms, curve_ms = result
+    assert 1.0 <= running <= len(sends) + 1e-9
+    assert ITL(1) - 1e-9 <= curve_ms <= ITL(len(sends)) + 1e-9  # the curve at 1 to all
+    gaps = [g for _, _, gs in sends for g in gs]
+    assert measured_ms == pytest.approx(1e3 * sum(gaps) / len(gaps))
+
+
+def test_the_closed_loop_itl_curve_and_capacity_have_every_sequence_running() -> None:
+    result = closed_loop_itl(GENERATE_POINTS, 16)
+    assert result is not None
+    curve, capacity = result
+    assert curve.xs == (1.0, 2.0, 4.0, 16.0)  # 32 in flight: 16 ran, the rest queued
+    assert curve.ys == pytest.approx((6.4, 7.2, 8.8, 20.0))  # the mean gaps
+    assert capacity == 100.0  # the best throughput measured among them
+    assert closed_loop_itl([], 16) is None
+
+
+def test_a_generation_profile_scales_both_curves_by_the_token_factor(tmp_path: Path) -> None:
+    options = ProfileOptions(
+        model="tiny-llama",
+        out=tmp_path,
+        max_batch=16,
+        slo=Slo(ttft_p95_ms=100, itl_p95_ms=30),
+        through_gateway=True,
+    )
+    tokens = open_point(
+        mean_batch_size=None,
+        batch_latency_ms=None,
+        curve_ms=8.0,
+        mean_running=4.0,
+        itl_mean_ms=10.0,
+    )
+    assert tokens.factor == pytest.approx(1.25)
+    assert tokens.at_batch == 4.0
+    run = dataclasses.replace(
+        record(tmp_path), options=options, task="generate", open_loop=(tokens,)
+    )
+    write_outputs(
+        tmp_path,
+        run,
+        GENERATE_POINTS,
+        recommend(GENERATE_POINTS, options.slo, "generate", local=True),
+    )
+    profile = load_profile(tmp_path / "profile.json")
+    ttft = Curve((1.0, 2.0, 4.0, 16.0), (16.0, 20.0, 24.0, 72.0))  # the closed loop's means
+    itl = Curve((1.0, 2.0, 4.0, 16.0), (6.4, 7.2, 8.8, 20.0))
+    assert profile.ttft_ms == calibrated_curve(ttft, 4.0, 1.25)
+    assert profile.itl_ms == calibrated_curve(itl, 4.0, 1.25)
+    assert profile.ttft_ms(1) == 16.0  # a lone sequence: the closed loop's own regime
+    measured = json.loads((tmp_path / "profile.json").read_text())["measured"]
+    assert measured["open_loop"]["at_mean_batch"] == 4.0
+    assert "mean sequences decoding 4.0" in measured["curve_source"]

@@ -3,6 +3,9 @@
 - Round trip: profile a simulated generation worker built from a known profile; TTFT and
   ITL recover the known ones (a loaded machine only adds), and the knee is where TTFT
   breaks its target.
+- Through the gateway: the same worker inside ``tidegate serve``, and its open-loop point
+  (the token gaps of Poisson arrivals against the closed-loop inter-token curve) scales
+  both curves.
 - Ctrl-C writes what was measured and leaves no worker behind.
 """
 
@@ -20,7 +23,8 @@ import pytest
 
 from tests.procs import TIDEGATE, child_env, stop, wait_for
 from tests.profile.profiling import FILES, PROFILE_TIMEOUT_S, run_profile, write_json
-from tidegate.engines.profile import load_profile
+from tidegate.engines.profile import Curve, load_profile
+from tidegate.profile.openloop import calibrated_curve, closed_loop_itl
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +43,8 @@ def within_load(measured: float, known: float) -> bool:
     return known * 0.90 <= measured <= known * 1.35
 
 
-def test_round_trip_of_a_generation_profile(tmp_path: Path) -> None:
+def known_worker(tmp_path: Path) -> tuple[Path, Path]:
+    """The simulated worker's known profile, and a workload of six output tokens each."""
     known = write_json(
         tmp_path / "known.json",
         {"version": 1, "model": "g", "task": "generate", "memory_mb": 400,
@@ -48,6 +53,11 @@ def test_round_trip_of_a_generation_profile(tmp_path: Path) -> None:
     trace = tmp_path / "trace.csv"
     rows = "".join(f"{i / 10},{40 + i},6,,\n" for i in range(30))
     trace.write_text("arrival_s,prompt_tokens,output_tokens,priority,tenant\n" + rows)
+    return known, trace
+
+
+def test_round_trip_of_a_generation_profile(tmp_path: Path) -> None:
+    known, trace = known_worker(tmp_path)
     out = tmp_path / "out"
     result = run_profile(
         "--model", "gen", "--engine", "simulated", "--sim-profile", str(known),
@@ -68,6 +78,45 @@ def test_round_trip_of_a_generation_profile(tmp_path: Path) -> None:
     assert profile.knee.concurrency == 2  # 4 in flight breaks the TTFT target (about 200 ms)
     assert all(p.mean_output_tokens == 6 for p in profile.points)
     assert {p.name for p in out.iterdir()} == FILES
+
+
+def test_through_the_gateway_the_open_loop_token_gaps_scale_both_curves(tmp_path: Path) -> None:
+    known, trace = known_worker(tmp_path)
+    out = tmp_path / "out"
+    result = run_profile(
+        "--model", "gen", "--engine", "simulated", "--sim-profile", str(known),
+        "--through-gateway", "--workload", str(trace), "--max-batch", "4",
+        "--max-concurrency", "4", "--min-seconds-per-point", "1.5",
+        "--max-seconds-per-point", "10",
+        out=out,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "open loop: Poisson arrivals" in result.stderr
+    profile = load_profile(out / "profile.json")
+    open_loop = profile.raw["measured"]["open_loop"]
+    closed = closed_loop_itl(profile.points, 4)
+    assert closed is not None
+    itl, capacity = closed
+    first = open_loop["tries"][0]
+    assert first["offered_rps"] == pytest.approx(0.85 * capacity, rel=0.35)
+    chosen = next(t for t in reversed(open_loop["tries"]) if t["factor"] is not None)
+    assert chosen["mean_batch_size"] is None  # generation: no batches, sequences decoding
+    assert 1.0 <= chosen["mean_running"] <= 4.0  # max_num_seqs 4
+    # The engine sleeps the known curve between tokens: a loaded machine adds time, never
+    # takes it away, and the curve's expectation is within the known curve's range.
+    assert chosen["itl_mean_ms"] >= 0.9 * 30.0
+    assert 0.9 * 30.0 <= chosen["curve_ms"] <= 1.35 * 45.0
+    factor = open_loop["factor"]
+    assert factor == pytest.approx(chosen["itl_mean_ms"] / chosen["curve_ms"], rel=0.01)
+    at = open_loop["at_mean_batch"]
+    assert at == pytest.approx(chosen["mean_running"], abs=1e-3)  # (the try is rounded)
+    ttft = Curve(
+        tuple(float(p.concurrency) for p in profile.points),
+        tuple(p.ttft_mean_ms or 0.0 for p in profile.points),
+    )
+    assert profile.ttft_ms == calibrated_curve(ttft, at, factor)
+    assert profile.itl_ms == calibrated_curve(itl, at, factor)
+    assert "open-loop factor" in profile.raw["measured"]["curve_source"]
 
 
 def test_ctrl_c_writes_what_was_measured_and_stops_its_workers(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ said, so a load meant as 80% of capacity was past it on the real stack and the s
 fed the closed-loop curve, saw no queue where the stack had seconds of it.
 
 So after the closed-loop levels, in the same ``tidegate serve``, the planner offers Poisson
-arrivals at ``--open-loop`` (default 0.85) of the capacity the closed-loop curve predicts,
+arrivals at ``--open-loop`` (default 0.85) of the capacity the closed-loop curve predicts
+(``spans_s``: a warm-up, then at least 10 s and 40 arrivals measured),
 reads the worker's engine time per batch and mean batch over the measured span (its own
 /metrics, as for every point), and divides by the closed-loop curve at that batch: the
 *factor*. When the stack did not keep up (it completed under 95% of what was offered, or
@@ -24,12 +25,24 @@ closed loop's own regime) to the measured factor at the open-loop point's mean b
 stays at it above: the slowdown comes with load, and load is what forms larger batches. The
 closed-loop points, the knee and the recommended settings are unchanged; ``measured.open_loop``
 in profile.json holds every open-loop try and the factor used.
+
+Generation has no engine time per step on the worker's /metrics, but every streamed token is
+one engine step of the sequences decoding then, so the client's own token stamps measure it:
+each gap between two tokens of a request is set against the closed-loop inter-token curve at
+the number of sequences decoding at the gap's middle (those between their first and last
+token). The factor is the sum of the measured gaps over the sum of the curve's, and the
+"batch" it is measured at is the mean of those counts; both curves the simulator replays
+(time to first token and inter-token latency, by running sequences) are scaled by it the same
+way. The capacity the rate is a fraction of is the best throughput the closed-loop levels
+measured with every sequence running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
 import random
 import time
 from collections.abc import Sequence
@@ -45,8 +58,10 @@ from tidegate.profile.resources import ResourceMeter, usage_between
 
 DEFAULT_FRACTION = 0.85  # of the closed-loop capacity
 KEPT_UP = 0.95  # completed / offered at or above this: the stack kept up
-WARMUP_S = 3.0  # arrivals before the measured span: the queue settles
+WARMUP_S = 3.0  # arrivals before the measured span, at least: the queue settles
+WARMUP_LIFETIMES = 2.0  # ... and this many of the closed loop's longest p50 latency
 MIN_DURATION_S = 10.0  # the measured span, at least
+MIN_ARRIVALS = 40  # ... and long enough for this many arrivals (a slow generation stack)
 DRAIN_S = 10.0  # what is in flight at the end may take this long, then is cut off
 TRIES = 2  # the second only when the first did not keep up
 
@@ -63,19 +78,34 @@ class OpenLoopPoint:
     latency_p95_ms: float
     mean_batch_size: float | None  # the worker's, over the measured span
     batch_latency_ms: float | None  # the worker's mean engine time per batch, same span
-    curve_ms: float | None  # the closed-loop curve at that mean batch
+    curve_ms: float | None  # the closed-loop curve at that mean batch (generation: mean gap)
     duration_s: float
+    # Generation (module docstring): the mean number of sequences decoding at each token gap,
+    # and the mean gap measured; curve_ms is then the closed-loop curve's mean over the gaps.
+    mean_running: float | None = None
+    itl_mean_ms: float | None = None
 
     @property
     def kept_up(self) -> bool:
         return self.num_refused == 0 and self.completed_rps >= KEPT_UP * self.offered_rps
 
     @property
+    def engine_ms(self) -> float | None:
+        """The engine's time measured: per batch, or (generation) per token step."""
+        return self.batch_latency_ms if self.batch_latency_ms is not None else self.itl_mean_ms
+
+    @property
+    def at_batch(self) -> float | None:
+        """Where the factor was measured: the mean batch, or the mean sequences decoding."""
+        return self.mean_batch_size if self.mean_batch_size is not None else self.mean_running
+
+    @property
     def factor(self) -> float | None:
-        """Engine time per batch in the open loop over the closed loop's at the same batch."""
-        if self.batch_latency_ms is None or not self.curve_ms:
+        """Engine time in the open loop over the closed loop's at the same batch."""
+        engine_ms = self.engine_ms
+        if engine_ms is None or not self.curve_ms:
             return None
-        return self.batch_latency_ms / self.curve_ms
+        return engine_ms / self.curve_ms
 
     def describe(self) -> dict[str, Any]:
         data = {k: _rounded(v) for k, v in asdict(self).items()}
@@ -101,6 +131,69 @@ def closed_loop_curve(points: Sequence[MeasuredPoint]) -> Curve | None:
         return None
     xs = tuple(sorted(pairs))
     return Curve(xs, tuple(pairs[x] for x in xs))
+
+
+def closed_loop_itl(points: Sequence[MeasuredPoint], max_seqs: int) -> tuple[Curve, float] | None:
+    """Generation: the closed-loop inter-token curve by running sequences, and the best
+    throughput (requests/s) measured with at most ``max_seqs`` in flight (all of them running)."""
+    running = [
+        p
+        for p in points
+        if p.itl_mean_ms is not None and p.num_requests > 0 and p.concurrency <= max_seqs
+    ]
+    if not running:
+        return None
+    pairs = {float(p.concurrency): p.itl_mean_ms or 0.0 for p in running}
+    xs = tuple(sorted(pairs))
+    return Curve(xs, tuple(pairs[x] for x in xs)), max(p.throughput_rps for p in running)
+
+
+def decoding_gaps(
+    completions: Sequence[Completion], curve: Curve, since: float, until: float
+) -> tuple[float, float, float] | None:
+    """Over the token gaps whose middle falls in [since, until]: the mean number of sequences
+    decoding then, the mean gap (ms) and the closed-loop ``curve``'s mean at those counts.
+
+    A sequence decodes from its first token to its last, as the client stamped them; every
+    answered stream counts, whenever it was sent, so the counts at the span's edges are whole.
+    """
+    streams: list[list[float]] = []
+    for c in completions:
+        if c.ok and c.ttft_s is not None:
+            first = c.done_at - c.latency_s + c.ttft_s
+            streams.append(list(itertools.accumulate(c.gaps_s, initial=first)))
+    starts = sorted(s[0] for s in streams)
+    ends = sorted(s[-1] for s in streams)
+    counts = measured = expected = 0.0
+    num_gaps = 0
+    for stamps in streams:
+        for earlier, later in itertools.pairwise(stamps):
+            middle = (earlier + later) / 2
+            if not since <= middle <= until:
+                continue
+            # started by the middle, less those that ended before it (never the stream itself)
+            running = bisect.bisect_right(starts, middle) - bisect.bisect_left(ends, middle)
+            counts += running
+            measured += later - earlier
+            expected += curve(running)
+            num_gaps += 1
+    if not num_gaps or expected <= 0:
+        return None
+    return counts / num_gaps, 1e3 * measured / num_gaps, expected / num_gaps
+
+
+def spans_s(
+    rate_per_s: float, min_seconds: float, points: Sequence[MeasuredPoint]
+) -> tuple[float, float]:
+    """The warm-up and the measured span of an open-loop point at ``rate_per_s``.
+
+    The warm-up lasts a few of the requests' own lifetimes (chats take seconds), so that the
+    stack holds what the rate keeps in it; the span holds at least ``MIN_ARRIVALS`` arrivals,
+    so that a slow stack's offered rate is not a handful of Poisson draws.
+    """
+    lifetime_s = max((p.latency_p50_ms / 1e3 for p in points if p.num_requests), default=0.0)
+    warmup_s = max(WARMUP_S, WARMUP_LIFETIMES * lifetime_s)
+    return warmup_s, max(MIN_DURATION_S, min_seconds, MIN_ARRIVALS / max(rate_per_s, 1e-9))
 
 
 def curve_capacity(curve: Curve, max_batch: int) -> float:
@@ -130,11 +223,16 @@ async def measure_open_loop(
     curve: Curve,
     rate_per_s: float,
     fraction: float,
-    duration_s: float,
+    spans: tuple[float, float],
     seed: int,
     stop: asyncio.Event,
+    generate: bool = False,
 ) -> OpenLoopPoint | None:
-    """Poisson arrivals at ``rate_per_s`` for a warm-up and ``duration_s``; None if stopped."""
+    """Poisson arrivals at ``rate_per_s`` for ``spans`` (a warm-up and the measured span,
+    seconds: ``spans_s``); None if stopped.
+
+    ``curve``: the closed-loop engine time per batch by mean batch, or with ``generate`` the
+    inter-token latency by sequences running (module docstring)."""
     draw = random.Random(f"{seed}:open-loop:{rate_per_s:.6f}")
     url = url.rstrip("/")
     answered: list[tuple[float, Completion]] = []  # (arrival, completion)
@@ -144,7 +242,8 @@ async def measure_open_loop(
         answered.append((arrival, await send(session, url, spec)))
 
     started = time.monotonic()
-    span_from, span_to = started + WARMUP_S, started + WARMUP_S + duration_s
+    warmup_s, duration_s = spans
+    span_from, span_to = started + warmup_s, started + warmup_s + duration_s
 
     async def arrivals() -> int:
         at, index, sent = started, 0, 0
@@ -183,7 +282,13 @@ async def measure_open_loop(
     inside = [(a, c) for a, c in answered if first.at <= c.done_at <= last.at]
     ok_latencies = [c.done_at - a for a, c in inside if c.ok]
     refused = sum(not c.ok for a, c in answered if a >= span_from)
-    mean_batch = usage.mean_batch_size
+    mean_batch, batch_ms = usage.mean_batch_size, usage.batch_latency_ms
+    curve_ms = None if mean_batch is None else curve(mean_batch)
+    running = itl_ms = None
+    if generate:  # the client's token stamps, not the worker's batches (module docstring)
+        gaps = decoding_gaps([c for _, c in answered], curve, first.at, last.at)
+        mean_batch = batch_ms = None
+        running, itl_ms, curve_ms = gaps if gaps is not None else (None, None, None)
     return OpenLoopPoint(
         fraction=fraction,
         offered_rps=sent / duration_s,
@@ -192,9 +297,11 @@ async def measure_open_loop(
         latency_p50_ms=percentile_ms(ok_latencies, 50),
         latency_p95_ms=percentile_ms(ok_latencies, 95),
         mean_batch_size=mean_batch,
-        batch_latency_ms=usage.batch_latency_ms,
-        curve_ms=None if mean_batch is None else curve(mean_batch),
+        batch_latency_ms=batch_ms,
+        curve_ms=curve_ms,
         duration_s=span,
+        mean_running=running,
+        itl_mean_ms=itl_ms,
     )
 
 
@@ -215,6 +322,11 @@ def point_line(point: OpenLoopPoint) -> str:
         parts.append(
             f"mean batch {point.mean_batch_size:.1f}, {point.batch_latency_ms:.1f} ms per batch"
             f" (closed loop {point.curve_ms or 0:.1f} ms)"
+        )
+    if point.mean_running is not None and point.itl_mean_ms is not None:
+        parts.append(
+            f"{point.mean_running:.1f} sequences decoding, {point.itl_mean_ms:.1f} ms between"
+            f" tokens (closed loop {point.curve_ms or 0:.1f} ms)"
         )
     if factor is not None:
         parts.append(f"factor {factor:.2f}")

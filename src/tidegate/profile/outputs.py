@@ -33,7 +33,7 @@ def build_profile(
     """The profile and a sentence on where its curve came from."""
     o = record.options
     latency, ttft, itl, source = _curves(points, record.task, o)
-    latency, source = _open_loop_calibrated(latency, source, record)
+    latency, ttft, itl, source = _open_loop_calibrated((latency, ttft, itl), source, record)
     profile = EngineProfile(
         model=o.model,
         task=record.task,
@@ -82,17 +82,22 @@ def _curves(
 
 
 def _open_loop_calibrated(
-    curve: Curve | None, source: str, record: RunRecord
-) -> tuple[Curve | None, str]:
-    """The batch curve times the open-loop factor (profile/openloop.py), where one was measured."""
+    curves: tuple[Curve | None, Curve | None, Curve | None], source: str, record: RunRecord
+) -> tuple[Curve | None, Curve | None, Curve | None, str]:
+    """The batch curve (generation: the TTFT and ITL curves) times the open-loop factor
+    (profile/openloop.py), where one was measured."""
     point = chosen(record.open_loop)
-    if curve is None or point is None or point.factor is None or point.mean_batch_size is None:
-        return curve, source
-    calibrated = calibrated_curve(curve, point.mean_batch_size, point.factor)
-    return calibrated, (
-        f"{source}, times the open-loop factor {point.factor:.2f} (measured at mean batch "
-        f"{point.mean_batch_size:.1f}; from 1 at batch 1, linear up to that batch)"
+    factor = None if point is None else point.factor
+    at = None if point is None else point.at_batch
+    if factor is None or at is None or all(c is None for c in curves):
+        return (*curves, source)
+    latency, ttft, itl = (None if c is None else calibrated_curve(c, at, factor) for c in curves)
+    what = "sequences decoding" if record.task == "generate" else "batch"
+    source = (
+        f"{source}, times the open-loop factor {factor:.2f} (measured at mean {what} "
+        f"{at:.1f}; from 1 at 1, linear up to there)"
     )
+    return latency, ttft, itl, source
 
 
 def _curve(pairs: dict[float, float]) -> Curve | None:
@@ -138,7 +143,7 @@ def _open_loop_record(record: RunRecord) -> dict[str, Any] | None:
         "fraction": record.options.open_loop_fraction(),
         "tries": [t.describe() for t in record.open_loop],
         "factor": None if point is None else point.factor,
-        "at_mean_batch": None if point is None else point.mean_batch_size,
+        "at_mean_batch": None if point is None else point.at_batch,
     }
 
 

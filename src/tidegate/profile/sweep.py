@@ -13,6 +13,8 @@ Embeddings, with workers the planner starts (docs/profile.md, "How it measures")
 
 Generation: one worker with ``--max-num-seqs --max-batch``; concurrency 1, 2, 4 ...
 ``--max-concurrency`` (the running batch is the concurrency up to max_num_seqs).
+``--through-gateway`` adds an open-loop point after the closed-loop levels, for either task
+(profile/openloop.py).
 ``--url``: the server's batching cannot be set, only the concurrency sweep runs.
 
 Each sweep climbs until core ``decide_climb`` stops it (SLO broken, or less than 5% gain
@@ -47,13 +49,14 @@ from tidegate.profile.gateway import (
 from tidegate.profile.loadgen import RequestSpec, build_requests, calibrate
 from tidegate.profile.measure import MeasureSettings, PointRun, PointSpec, measure_point
 from tidegate.profile.openloop import (
-    MIN_DURATION_S,
     TRIES,
     OpenLoopPoint,
     closed_loop_curve,
+    closed_loop_itl,
     curve_capacity,
     measure_open_loop,
     point_line,
+    spans_s,
 )
 from tidegate.profile.options import DEFAULT_WINDOW_MS, ProfileOptions
 from tidegate.profile.recommend import SIZE_OF, capacity_point, sweep_knee
@@ -183,14 +186,14 @@ class Planner:
         task = self.expected_task()
         base = base_config(o.serve_config)
         if task == "generate":
-            if o.open_loop:
-                self.progress.note("open loop: embeddings only (generation: no engine time)")
             levels = o.concurrency_levels(o.max_concurrency)
             self._expect("concurrency", len(levels))
             async with self._stack(session, base, task, o.max_batch) as started:
                 if started is not None:
                     url, meter = started
                     await self._concurrency_sweep(session, url, meter, (o.max_batch, None), levels)
+                    if o.open_loop_fraction() > 0:
+                        await self._open_loop(session, url, meter)
             return
         # One stack as deployed (max batch --max-batch, the config's window and slots); the
         # batches it forms at 1, 2, 4 ... 2 x max batch in flight span 1 to max batch. Every
@@ -214,12 +217,17 @@ class Planner:
     ) -> None:
         """The open-loop point(s) after the closed-loop levels (profile/openloop.py)."""
         o = self.options
-        curve = closed_loop_curve(self.points)
+        generate = self.prepared is not None and self.prepared.task == "generate"
+        if generate:
+            itl = closed_loop_itl(self.points, o.max_batch)
+            curve, capacity = itl if itl is not None else (None, 0.0)
+        else:
+            curve = closed_loop_curve(self.points)
+            capacity = 0.0 if curve is None else curve_capacity(curve, o.max_batch)
         if curve is None or self.prepared is None:
             self.progress.note("open loop: skipped, the closed loop measured no batch")
             return
         fraction = o.open_loop_fraction()
-        capacity = curve_capacity(curve, o.max_batch)
         for _ in range(TRIES):
             if self.stop.is_set() or capacity <= 0:
                 return
@@ -236,9 +244,10 @@ class Planner:
                 curve,
                 rate,
                 fraction,
-                max(MIN_DURATION_S, o.min_seconds_per_point),
+                spans_s(rate, o.min_seconds_per_point, self.points),
                 o.seed,
                 self.stop,
+                generate,
             )
             if point is None:
                 return
