@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tidegate.errors import ConfigError
 from tidegate.sim.service import default_service, load_service
@@ -78,14 +80,33 @@ def test_a_profile_json_loads_as_a_batch_or_step_model(tmp_path: Path) -> None:
 
 
 def test_a_concurrency_profile_makes_joining_steps_cost_the_ttft() -> None:
-    generate = default_service("generate")  # ttft/itl: 20/10 ms at 1, 60/25 ms at 32
+    generate = default_service("generate")  # ttft/itl: 20/10 ms at 1, 30/14 at 8, 60/25 at 32
     step = generate.step
     assert step is not None
     assert step.step_s(1, 0, 0) == pytest.approx(0.010)
     assert step.step_s(0, 1, 100) == pytest.approx(0.020)  # alone: its TTFT
     assert step.step_s(0, 32, 3200) == pytest.approx(0.060)  # all join at once: TTFT(32)
-    assert step.step_s(31, 1, 100) == pytest.approx(0.025 + 0.035 / 32)
+    assert step.step_s(7, 1, 100) == pytest.approx(0.014 + 0.010)  # decode of 8, one prefill
+    # A lone joiner among 32 costs the prefill of one prompt, not a 32nd of 32 prompts'.
+    assert step.step_s(31, 1, 100) == pytest.approx(0.025 + (0.020 - 0.010))
+    assert step.step_s(24, 8, 800) == pytest.approx(0.025 + (0.030 - 0.014))
     assert flat_step_service(7.0).step is not None
+
+
+@given(
+    num_decode=st.integers(0, 40),
+    num_prefill=st.integers(0, 40),
+    more=st.integers(1, 8),
+)
+def test_a_joining_step_costs_more_with_more_joiners_and_more_running(
+    num_decode: int, num_prefill: int, more: int
+) -> None:
+    step = default_service("generate").step  # both curves rise with the sequences
+    assert step is not None
+    base = step.step_s(num_decode, num_prefill, 0)
+    assert step.step_s(num_decode + more, num_prefill, 0) >= base
+    if num_decode + num_prefill:
+        assert step.step_s(num_decode, num_prefill + more, 0) >= base
 
 
 def test_a_missing_profile_is_a_config_error(tmp_path: Path) -> None:

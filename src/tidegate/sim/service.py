@@ -15,8 +15,14 @@ prompt size x batch, decode step time by batch). ``load_service`` picks by the f
 
 A profile measured by concurrency (``ttft_ms`` and ``itl_ms`` of ``n`` running sequences)
 becomes a step model this way: a step of ``n`` sequences of which ``p`` are joining takes
-``itl(n) + (ttft(n) - itl(n)) * p / n``: ``itl(n)`` when nobody joins, ``ttft(n)`` when all
-``n`` join at once (the way the profile measured them), linear in between.
+``itl(n) + ttft(p) - itl(p)``: the decode step of all ``n``, plus what prefilling ``p``
+prompts costs over a decode step of ``p``. It is ``itl(n)`` when nobody joins and ``ttft(n)``
+when all ``n`` join at once, which is how the profile's closed loop measured them (its
+clients' equal answers keep them in step). Under real traffic sequences join one or two at a
+time, and on a CPU a prompt's prefill costs about as much alone as beside others: the model
+of before (``itl(n) + (ttft(n) - itl(n)) * p / n``, the prefill of ``n`` shared out) made a
+lone joiner among ``n`` cost a ``1/n`` share of it, and the simulator's first tokens came
+20-50% early against the real smollm2 stack (docs/benchmarks.md, "Fidelity").
 """
 
 from __future__ import annotations
@@ -83,23 +89,28 @@ class CurveBatch:
 class ConcurrencySteps:
     """``step_s`` from ``ttft_ms`` / ``itl_ms`` by running sequences (see the module note)."""
 
-    __slots__ = ("_cache", "_itl", "_ttft")
+    __slots__ = ("_decode", "_itl", "_prefill", "_ttft")
 
     def __init__(self, ttft_ms: Curve, itl_ms: Curve) -> None:
         self._ttft = ttft_ms
         self._itl = itl_ms
-        self._cache: dict[int, tuple[float, float]] = {}
+        self._decode: dict[int, float] = {}  # n running -> itl(n), seconds
+        self._prefill: dict[int, float] = {}  # p joining -> ttft(p) - itl(p), seconds
 
     def step_s(self, num_decode: int, num_prefill: int, prefill_tokens: int) -> float:
         running = num_decode + num_prefill
         if running == 0:
             return 0.0
-        pair = self._cache.get(running)
-        if pair is None:
-            itl_s = self._itl(running) / 1e3
-            pair = self._cache[running] = (itl_s, max(0.0, self._ttft(running) / 1e3 - itl_s))
-        itl_s, extra_s = pair
-        return itl_s + extra_s * num_prefill / running if num_prefill else itl_s
+        decode_s = self._decode.get(running)
+        if decode_s is None:
+            decode_s = self._decode[running] = self._itl(running) / 1e3
+        if not num_prefill:
+            return decode_s
+        prefill_s = self._prefill.get(num_prefill)
+        if prefill_s is None:
+            extra_ms = self._ttft(num_prefill) - self._itl(num_prefill)
+            prefill_s = self._prefill[num_prefill] = max(0.0, extra_ms / 1e3)
+        return decode_s + prefill_s
 
 
 class TokenSteps:
