@@ -171,17 +171,17 @@ ITL = Curve((1.0, 2.0), (10.0, 20.0))
 
 
 def test_each_gap_is_set_against_the_curve_at_the_sequences_decoding_then() -> None:
-    a = stream(0.0, 1.0, [1.0, 1.0])  # tokens at 1, 2, 3
-    b = stream(1.5, 1.0, [1.0])  # tokens at 2.5, 3.5
+    a = stream(0.0, 1.0, [1.0, 1.0, 1.0])  # tokens at 1, 2, 3, 4
+    b = stream(1.5, 0.5, [1.0])  # tokens at 2, 3: it joined in the step of a's token 2
     failed = stream(0.0, 0.5, [5.0], ok=False)  # an error answer decodes nothing
-    # a's gap 1-2 alone (1 decoding); a's 2-3 and b's 2.5-3.5 with both (a's last token at 3
-    # is not before the middle 3.0)
+    # a's 1-2 prefilled b: left out. a's 2-3 and b's 2-3 with both decoding, a's 3-4 alone
+    # (b's last token at 3 is before the middle 3.5).
     running, measured_ms, curve_ms = decoding_gaps([a, b, failed], ITL, 0.0, 10.0) or (0, 0, 0)
     assert running == pytest.approx(5 / 3)
     assert measured_ms == pytest.approx(1000.0)
-    assert curve_ms == pytest.approx((10.0 + 20.0 + 20.0) / 3)
+    assert curve_ms == pytest.approx((20.0 + 20.0 + 10.0) / 3)
     # only the gaps whose middle is in the span count; the others' streams still do
-    assert decoding_gaps([a, b], ITL, 2.0, 4.0) == pytest.approx((2.0, 1000.0, 20.0))
+    assert decoding_gaps([a, b], ITL, 3.0, 10.0) == pytest.approx((1.0, 1000.0, 10.0))
     assert decoding_gaps([a, b], ITL, 5.0, 6.0) is None
     assert decoding_gaps([], ITL, 0.0, 1.0) is None
 
@@ -202,12 +202,15 @@ def test_the_count_of_sequences_decoding_is_between_one_and_all_of_them(
 ) -> None:
     completions = [stream(at, ttft, gaps) for at, ttft, gaps in sends]
     result = decoding_gaps(completions, ITL, 0.0, 100.0)
-    assert result is not None
+    if len(sends) == 1:
+        assert result is not None  # nobody joins a lone stream: every gap counts
+    if result is None:
+        return  # every gap was a join's step
     running, measured_ms, curve_ms = result
     assert 1.0 <= running <= len(sends) + 1e-9
     assert ITL(1) - 1e-9 <= curve_ms <= ITL(len(sends)) + 1e-9  # the curve at 1 to all
     gaps = [g for _, _, gs in sends for g in gs]
-    assert measured_ms == pytest.approx(1e3 * sum(gaps) / len(gaps))
+    assert 1e3 * min(gaps) - 1e-6 <= measured_ms <= 1e3 * max(gaps) + 1e-6
 
 
 def test_the_closed_loop_itl_curve_and_capacity_have_every_sequence_running() -> None:

@@ -30,7 +30,8 @@ Generation has no engine time per step on the worker's /metrics, but every strea
 one engine step of the sequences decoding then, so the client's own token stamps measure it:
 each gap between two tokens of a request is set against the closed-loop inter-token curve at
 the number of sequences decoding at the gap's middle (those between their first and last
-token). The factor is the sum of the measured gaps over the sum of the curve's, and the
+token), leaving out the gaps of steps that also prefilled a joining sequence (the closed
+loop's curve is of decode steps; the simulator costs joins apart). The factor is the sum of the measured gaps over the sum of the curve's, and the
 "batch" it is measured at is the mean of those counts; both curves the simulator replays
 (time to first token and inter-token latency, by running sequences) are scaled by it the same
 way. The capacity the rate is a fraction of is the best throughput the closed-loop levels
@@ -151,11 +152,16 @@ def closed_loop_itl(points: Sequence[MeasuredPoint], max_seqs: int) -> tuple[Cur
 def decoding_gaps(
     completions: Sequence[Completion], curve: Curve, since: float, until: float
 ) -> tuple[float, float, float] | None:
-    """Over the token gaps whose middle falls in [since, until]: the mean number of sequences
-    decoding then, the mean gap (ms) and the closed-loop ``curve``'s mean at those counts.
+    """Over the decode-only token gaps whose middle falls in [since, until]: the mean number
+    of sequences decoding then, the mean gap (ms) and the closed-loop ``curve``'s mean at
+    those counts.
 
     A sequence decodes from its first token to its last, as the client stamped them; every
     answered stream counts, whenever it was sent, so the counts at the span's edges are whole.
+    A gap whose step also prefilled a joining sequence (another stream's first token within
+    half a gap of its end) is left out: the closed loop's sequences joined all at once and
+    then only decoded, so its curve is decode steps, and the simulator costs the joins apart
+    (sim/service.py). The factor is then the decode steps' slowdown alone.
     """
     streams: list[list[float]] = []
     for c in completions:
@@ -171,6 +177,9 @@ def decoding_gaps(
             middle = (earlier + later) / 2
             if not since <= middle <= until:
                 continue
+            half = (later - earlier) / 2
+            if bisect.bisect_right(starts, later + half) > bisect.bisect_right(starts, middle):
+                continue  # a join's step: someone's first token came with this one
             # started by the middle, less those that ended before it (never the stream itself)
             running = bisect.bisect_right(starts, middle) - bisect.bisect_left(ends, middle)
             counts += running
