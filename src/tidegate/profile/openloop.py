@@ -31,11 +31,12 @@ one engine step of the sequences decoding then, so the client's own token stamps
 each gap between two tokens of a request is set against the closed-loop inter-token curve at
 the number of sequences decoding at the gap's middle (those between their first and last
 token), leaving out the gaps of steps that also prefilled a joining sequence (the closed
-loop's curve is of decode steps; the simulator costs joins apart). The factor is the sum of the measured gaps over the sum of the curve's, and the
-"batch" it is measured at is the mean of those counts; both curves the simulator replays
-(time to first token and inter-token latency, by running sequences) are scaled by it the same
-way. The capacity the rate is a fraction of is the best throughput the closed-loop levels
-measured with every sequence running.
+loop's curve is of decode steps; the simulator costs joins apart). The factor is the sum of
+the measured gaps over the sum of the curve's, and the "batch" it is measured at is the mean
+of those counts; both curves the simulator replays (time to first token and inter-token
+latency, by running sequences) are scaled by it the same way. The capacity the rate is a
+fraction of is the best throughput the closed-loop levels measured with every sequence
+running.
 """
 
 from __future__ import annotations
