@@ -84,6 +84,7 @@ from tidegate.sim.validate import (
     Figure,
     RecordedRun,
     RunRequest,
+    Side,
     Tolerances,
     compare,
     measured_side,
@@ -598,11 +599,15 @@ def one_run(
         args.runs_dir.mkdir(parents=True, exist_ok=True)
         write_run(args.runs_dir / f"{MODEL}-{policy}-{load:g}.json", run)
     service = load_service(str(args.profile))
-    validation, _, simulated = validate(run, service, TOLERANCES, SENSITIVITY)
-    if service.batch is None:  # generation: no batches to compare
+    validation, measured, simulated = validate(run, service, TOLERANCES, SENSITIVITY)
+    if service.batch is None:  # generation: no batches to compare, tokens instead
         notes = {
             "network_ms": validation.network_s * 1e3,
             "idle_round_trip_ms": (run.idle_round_trip_s or 0.0) * 1e3,
+            "decode_ms_per_token": {
+                "real": decode_ms_per_token(measured, run),
+                "sim": decode_ms_per_token(simulated, run),
+            },
             "validation": validation_data(validation),
         }
         return RunOutcome(load, policy, list(validation.figures), notes, run=run)
@@ -814,6 +819,34 @@ def diagnostics(outcomes: list[RunOutcome]) -> str:
     return "\n".join(lines)
 
 
+def decode_ms_per_token(side: Side, run: RecordedRun) -> float:
+    """Generation: the time from the chats' first tokens to their last, per token after the
+    first (the run's answered chats; the simulator replays their token counts): the engine's
+    decode steps with the joins among them, as the client saw them."""
+    e2e = [s for values in side.e2e_s.values() for s in values]
+    ttft = [s for values in side.ttft_s.values() for s in values]
+    tokens = sum(max(0, r.output_tokens - 1) for r in run.requests if r.status == 200)
+    if not e2e or len(ttft) != len(e2e) or not tokens:
+        return math.nan
+    return 1e3 * (math.fsum(e2e) - math.fsum(ttft)) / tokens
+
+
+def token_diagnostics(outcomes: list[RunOutcome]) -> str:
+    """Generation's "profile x": the decode time per token the real stack and the simulator
+    gave each run (a real/sim ratio over 1 is an engine slower in the run than profiled)."""
+    lines = [
+        "| run | decode ms per token: real / sim | real / sim |",
+        "|---|---:|---:|",
+    ]
+    for o in outcomes:
+        decode = o.notes["decode_ms_per_token"]
+        lines.append(
+            f"| {o.load:.0%} {o.policy} | {decode['real']:.0f} / {decode['sim']:.0f} "
+            f"| {decode['real'] / decode['sim']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def rankings(outcomes: list[RunOutcome]) -> list[str]:
     lines = []
     for load in sorted({o.load for o in outcomes}):
@@ -988,6 +1021,9 @@ def main() -> int:
         print(diagnostics(outcomes))
         print()
         print("\n".join(rescaled_lines(outcomes)))
+    else:
+        print()
+        print(token_diagnostics(outcomes))
     print()
     print("\n".join(sensitivity_lines(outcomes)))
     if repeats:
