@@ -89,7 +89,7 @@ native-check: $(VENV)/.installed-dev
 	  set -e; rm -rf $(NATIVE_CHECK) && mkdir -p $(NATIVE_CHECK); \
 	  cp -r src $(NATIVE_CHECK)/src; \
 	  (cd $(NATIVE_CHECK)/src && $(NATIVE) clean > /dev/null && $(NATIVE) build ../build); \
-	  PYTHONPATH=$(NATIVE_CHECK)/src $(BIN)/pytest -q -n 2 -p no:cacheprovider -m 'not spies' tests/core tests/sim; \
+	  TIDEGATE_PURE_PYTHON=0 PYTHONPATH=$(NATIVE_CHECK)/src $(BIN)/pytest -q -n 2 -p no:cacheprovider -m 'not spies' tests/core tests/sim; \
 	  rm -rf $(NATIVE_CHECK); fi
 
 test: lint typecheck unit native-check
