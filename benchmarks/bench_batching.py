@@ -588,11 +588,21 @@ def main() -> None:
         action="store_true",
         help="adaptive without the AIMD cap (the windows alone), to tell the levers apart",
     )
+    parser.add_argument(
+        "--lever",
+        choices=("level", "load"),
+        help="adaptive with one window lever alone, no cap: the level windows (high: 0) or "
+        "the load-aware window",
+    )
     args = parser.parse_args()
     global ADAPTIVE, ADAPTIVE_FLAGS
-    if args.without_cap:
+    if args.without_cap or args.lever:
         ADAPTIVE = {k: v for k, v in ADAPTIVE.items() if k != "target_p99_ms"}
         ADAPTIVE_FLAGS = ADAPTIVE_FLAGS[:-2]
+    if args.lever:  # the other window's setting and flags go too
+        other = "load_aware_window" if args.lever == "level" else "window_ms_by_priority"
+        ADAPTIVE = {k: v for k, v in ADAPTIVE.items() if k != other}
+        ADAPTIVE_FLAGS = ADAPTIVE_FLAGS[:2] if args.lever == "level" else ("--load-aware-window",)
     verdicts: list[str] = []
     errors: list[str] = []
     real = functools.partial(real_part, adaptive_flags=ADAPTIVE_FLAGS)
