@@ -129,10 +129,7 @@ def closed_loop_curve(points: Sequence[MeasuredPoint]) -> Curve | None:
         for p in points
         if p.mean_batch_size is not None and p.batch_latency_ms is not None and p.num_requests
     }
-    if not pairs:
-        return None
-    xs = tuple(sorted(pairs))
-    return Curve(xs, tuple(pairs[x] for x in xs))
+    return _sorted_curve(pairs) if pairs else None
 
 
 def closed_loop_itl(points: Sequence[MeasuredPoint], max_seqs: int) -> tuple[Curve, float] | None:
@@ -146,8 +143,12 @@ def closed_loop_itl(points: Sequence[MeasuredPoint], max_seqs: int) -> tuple[Cur
     if not running:
         return None
     pairs = {float(p.concurrency): p.itl_mean_ms or 0.0 for p in running}
+    return _sorted_curve(pairs), max(p.throughput_rps for p in running)
+
+
+def _sorted_curve(pairs: dict[float, float]) -> Curve:
     xs = tuple(sorted(pairs))
-    return Curve(xs, tuple(pairs[x] for x in xs)), max(p.throughput_rps for p in running)
+    return Curve(xs, tuple(pairs[x] for x in xs))
 
 
 def decoding_gaps(
