@@ -73,7 +73,13 @@ WINDOW_MS = 5.0
 TARGET_P99_MS = 100.0
 MIX = (("high", 0.2), ("medium", 0.3), ("low", 0.5))
 LEVEL_INDEX = {"high": "0", "medium": "1", "low": "2"}
-FIXED: dict[str, Any] = {"max_batch_size": MAX_BATCH, "batch_window_ms": WINDOW_MS}
+# The fixed rule: every level waits the window (the config's default gives the most urgent
+# level none, so the fixed side asks for no level windows).
+FIXED: dict[str, Any] = {
+    "max_batch_size": MAX_BATCH,
+    "batch_window_ms": WINDOW_MS,
+    "window_ms_by_priority": {},
+}
 ADAPTIVE: dict[str, Any] = {
     **FIXED,
     "window_ms_by_priority": {"high": 0},
@@ -601,7 +607,7 @@ def main() -> None:
         ADAPTIVE_FLAGS = ADAPTIVE_FLAGS[:-2]
     if args.lever:  # the other window's setting and flags go too
         other = "load_aware_window" if args.lever == "level" else "window_ms_by_priority"
-        ADAPTIVE = {k: v for k, v in ADAPTIVE.items() if k != other}
+        ADAPTIVE = {**ADAPTIVE, other: FIXED.get(other, False)}  # as the fixed rule has it
         ADAPTIVE_FLAGS = ADAPTIVE_FLAGS[:2] if args.lever == "level" else ("--load-aware-window",)
     verdicts: list[str] = []
     errors: list[str] = []

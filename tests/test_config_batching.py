@@ -20,6 +20,13 @@ def _config(batching: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _generate(batching: dict[str, Any], engine: str = "simulated", **extra: Any) -> dict[str, Any]:
+    model: dict[str, Any] = {"name": "gen", "task": "generate", "engine": engine}
+    if engine == "openai":
+        model["upstreams"] = ["http://127.0.0.1:9"]
+    return {"models": [{**model, "batching": batching}], **extra}
+
+
 def test_adaptive_keys_reach_the_batch_rule_and_the_worker() -> None:
     config = parse_config(
         _config(
@@ -54,12 +61,44 @@ def test_adaptive_keys_reach_the_batch_rule_and_the_worker() -> None:
     assert command[command.index("--batch-overhead-tokens") + 1] == "35"
 
 
-def test_defaults_keep_the_fixed_rule() -> None:
-    batch = parse_config(_config({}), "c.yaml").batch_config("emb")
-    assert batch.level_windows_ms == ()
+def test_defaults_keep_the_fixed_rule_but_the_most_urgent_level_skips_the_window() -> None:
+    config = parse_config(_config({}), "c.yaml")
+    batch = config.batch_config("emb")
+    assert batch.level_windows_ms == (0.0, None, None)
+    assert batch.window_ms(0) == 0.0
+    assert batch.window_ms(1) == batch.window_ms(2) == batch.batch_window_ms
     assert not batch.load_aware
     assert not batch.length_aware
     assert batch.target_p99_ms is None
+    from tidegate.control.local import worker_command
+
+    command = worker_command(config.worker_settings("emb"))
+    assert command[command.index("--level-windows-ms") + 1] == "0,,"
+
+
+def test_the_default_level_window_names_the_configured_most_urgent_level() -> None:
+    data = {**_config({}), "priorities": {"levels": ["urgent", "normal"], "default": "normal"}}
+    assert parse_config(data, "c.yaml").batch_config("emb").level_windows_ms == (0.0, None)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        _config({"window_ms_by_priority": {}}),
+        {**_config({}), "gateway": {"policy": "fifo"}},
+        _generate({}),
+        _generate({}, engine="openai"),
+    ],
+    ids=["asked_off", "fifo_one_level", "generation", "openai_upstream"],
+)
+def test_no_default_level_window_where_it_is_asked_off_or_cannot_apply(
+    data: dict[str, Any],
+) -> None:
+    config = parse_config(data, "c.yaml")
+    (name,) = config.models
+    assert config.model(name).batching.level_windows_ms == ()
+    again = parse_config(yaml.safe_load(render_config(config)), "rendered")
+    assert again.model(name).batching == config.model(name).batching
 
 
 @pytest.mark.parametrize(
@@ -122,13 +161,6 @@ def test_rendered_config_reads_back_the_same() -> None:
     )
     again = parse_config(yaml.safe_load(render_config(config)), "rendered")
     assert again.batch_config("emb") == config.batch_config("emb")
-
-
-def _generate(batching: dict[str, Any], engine: str = "simulated", **extra: Any) -> dict[str, Any]:
-    model: dict[str, Any] = {"name": "gen", "task": "generate", "engine": engine}
-    if engine == "openai":
-        model["upstreams"] = ["http://127.0.0.1:9"]
-    return {"models": [{**model, "batching": batching}], **extra}
 
 
 def test_the_prefill_budget_reaches_the_worker_and_renders_back() -> None:

@@ -72,7 +72,12 @@ def embeddings(slots: int, window_ms: float) -> dict[str, Any]:
                 "task": "embeddings",
                 "engine": "simulated",
                 "slots": slots,
-                "batching": {"max_batch_size": 2, "batch_window_ms": window_ms},
+                # the fixed window for every level: these scripts batch high requests
+                "batching": {
+                    "max_batch_size": 2,
+                    "batch_window_ms": window_ms,
+                    "window_ms_by_priority": {},
+                },
             }
         ]
     }

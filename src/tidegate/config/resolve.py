@@ -125,7 +125,10 @@ class _Resolver:
                 "openai upstream schedules its own)",
             )
         windows: list[float | None] = [None] * len(self.levels)
-        for name, window in b.window_ms_by_priority.items():
+        level_windows = b.window_ms_by_priority
+        if level_windows is None:
+            level_windows = self._default_level_windows(task, engine)
+        for name, window in level_windows.items():
             self.level(name, f"{key}.window_ms_by_priority")
             if window > b.batch_window_ms:
                 self.fail(
@@ -147,7 +150,7 @@ class _Resolver:
             max_batch_tokens=b.max_batch_tokens,
             max_num_seqs=b.max_num_seqs,
             max_prefill_tokens=b.max_prefill_tokens,
-            level_windows_ms=tuple(windows) if b.window_ms_by_priority else (),
+            level_windows_ms=tuple(windows) if level_windows else (),
             load_aware_window=b.load_aware_window,
             length_candidates=b.length_candidates,
             max_padding_ratio=b.max_padding_ratio,
@@ -155,6 +158,16 @@ class _Resolver:
             target_p99_ms=b.target_p99_ms,
             min_batch_size=b.min_batch_size,
         )
+
+    def _default_level_windows(self, task: str, engine: str) -> dict[str, float]:
+        """``window_ms_by_priority`` left out: the most urgent level never waits for
+        companions (bench_batching: the high p50 better by the window at low load, neutral
+        at the knee and past it). None where it cannot apply: a generation model (continuous
+        batching has no window), an openai upstream (it batches itself), and fifo (one level:
+        a window of 0 there would end batching for everyone)."""
+        if self.fifo or task != "embeddings" or engine == "openai":
+            return {}
+        return {self.levels[0]: 0.0}
 
     def fail(self, key: str, problem: str, fix: str) -> NoReturn:
         raise ConfigError(self.source, key, problem, fix)

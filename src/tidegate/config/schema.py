@@ -141,7 +141,8 @@ class _BatchingIn(_Strict):
     max_num_seqs: PositiveInt = 16
     max_prefill_tokens: NonNegativeInt = 0  # generate: prompts joining before a 1st token
     # adaptive batching (core.batching, core.batch_adapt); docs/config.md
-    window_ms_by_priority: dict[str, NonNegativeFloat] = Field(default_factory=dict)
+    # None: the most urgent level's window is 0 (resolve.py); {}: every level waits the window
+    window_ms_by_priority: dict[str, NonNegativeFloat] | None = None
     load_aware_window: bool = False
     length_candidates: NonNegativeInt = 0
     max_padding_ratio: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.25
