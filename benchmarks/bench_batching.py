@@ -2,11 +2,11 @@
 
 The fixed rule (the default before 2026-12-03, ``window_ms_by_priority: {}`` now): a batch
 leaves when full (max_batch_size 8, the minilm profile's knee) or 5 ms after its oldest member
-arrived. Adaptive (the first lever is the config's default since, the others opt-in): ``window_ms_by_priority
-{high: 0}`` (a high request never waits for companions), ``load_aware_window`` (a partial
-batch leaves once under one arrival is expected in what is left of its window) and
-``target_p99_ms`` 100 (AIMD cap on the high level's P99 at the worker). The mix: 20% high,
-30% medium, 50% low, Poisson arrivals, one replica.
+arrived. Adaptive (the first lever is the config's default since, the others opt-in):
+``window_ms_by_priority {high: 0}`` (a high request never waits for companions),
+``load_aware_window`` (a partial batch leaves once under one arrival is expected in what is
+left of its window) and ``target_p99_ms`` 100 (AIMD cap on the high level's P99 at the
+worker). The mix: 20% high, 30% medium, 50% low, Poisson arrivals, one replica.
 
 Parts (each optional):
 1. ``sim``: the simulator on the minilm CPU profile (benchmarks/profiles/minilm-cpu), at 10%
