@@ -62,7 +62,7 @@ def test_round_trip_of_a_generation_profile(tmp_path: Path) -> None:
     result = run_profile(
         "--model", "gen", "--engine", "simulated", "--sim-profile", str(known),
         "--workload", str(trace), "--max-batch", "4", "--max-concurrency", "4",
-        "--slo-ttft-p95-ms", "150", "--slo-itl-p95-ms", "60",
+        "--slo-ttft-p95-ms", "180", "--slo-itl-p95-ms", "150",
         "--min-seconds-per-point", "1.5", "--max-seconds-per-point", "10",
         out=out,
     )  # fmt: skip
@@ -75,7 +75,11 @@ def test_round_trip_of_a_generation_profile(tmp_path: Path) -> None:
         assert within_load(profile.ttft_ms(c), row["ttft_ms"]), f"TTFT at {c}"
         assert within_load(profile.itl_ms(c), row["itl_ms"]), f"ITL at {c}"
     assert profile.knee is not None
-    assert profile.knee.concurrency == 2  # 4 in flight breaks the TTFT target (about 200 ms)
+    # 4 in flight breaks the TTFT target (about 200 ms); 2 keeps both targets with room for a
+    # loaded machine (TTFT 110 and ITL 33 ms known). Under targets of 150 and 60 ms a loaded
+    # CI run once kept no point at 4: most likely 2 broke one (a sweep stops at the first
+    # point past a target; the p95 of a token gap is what load stretches most).
+    assert profile.knee.concurrency == 2
     assert all(p.mean_output_tokens == 6 for p in profile.points)
     assert {p.name for p in out.iterdir()} == FILES
 
