@@ -161,10 +161,11 @@ class _Resolver:
 
     def _default_level_windows(self, task: str, engine: str) -> dict[str, float]:
         """``window_ms_by_priority`` left out: the most urgent level never waits for
-        companions (bench_batching: the high p50 better by the window at low load, neutral
-        at the knee and past it). None where it cannot apply: a generation model (continuous
-        batching has no window), an openai upstream (it batches itself), and fifo (one level:
-        a window of 0 there would end batching for everyone)."""
+        companions (bench_batching: the high p50 better by the window at low load; at the
+        knee and past it throughput the same, p99 within the real runs' noise). None where
+        it cannot apply: a generation model (continuous batching has no window), an openai
+        upstream (it batches itself), and fifo (one level: a window of 0 there would end
+        batching for everyone)."""
         if self.fifo or task != "embeddings" or engine == "openai":
             return {}
         return {self.levels[0]: 0.0}
