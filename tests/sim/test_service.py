@@ -89,7 +89,10 @@ def test_a_concurrency_profile_makes_joining_steps_cost_the_ttft() -> None:
     assert step.step_s(7, 1, 100) == pytest.approx(0.014 + 0.010)  # decode of 8, one prefill
     # A lone joiner among 32 costs the prefill of one prompt, not a 32nd of 32 prompts'.
     assert step.step_s(31, 1, 100) == pytest.approx(0.025 + (0.020 - 0.010))
-    assert step.step_s(24, 8, 800) == pytest.approx(0.025 + (0.030 - 0.014))
+    # Joiners into a decoding batch each pay a lone prompt's prefill: 8 cost 8 of them,
+    # where 8 joining an idle engine together cost TTFT(8) - ITL(8).
+    assert step.step_s(24, 8, 800) == pytest.approx(0.025 + 8 * (0.020 - 0.010))
+    assert step.step_s(0, 8, 800) == pytest.approx(0.030)
     assert flat_step_service(7.0).step is not None
 
 

@@ -14,15 +14,25 @@ file) and the measured A100/H100 table of splitwise-sim (``perf_model.csv``: pre
 prompt size x batch, decode step time by batch). ``load_service`` picks by the file.
 
 A profile measured by concurrency (``ttft_ms`` and ``itl_ms`` of ``n`` running sequences)
-becomes a step model this way: a step of ``n`` sequences of which ``p`` are joining takes
-``itl(n) + ttft(p) - itl(p)``: the decode step of all ``n``, plus what prefilling ``p``
-prompts costs over a decode step of ``p``. It is ``itl(n)`` when nobody joins and ``ttft(n)``
-when all ``n`` join at once, which is how the profile's closed loop measured them (its
-clients' equal answers keep them in step). Under real traffic sequences join one or two at a
-time, and on a CPU a prompt's prefill costs about as much alone as beside others: the model
-of before (``itl(n) + (ttft(n) - itl(n)) * p / n``, the prefill of ``n`` shared out) made a
-lone joiner among ``n`` cost a ``1/n`` share of it, and the simulator's first tokens came
-20-50% early against the real smollm2 stack (docs/benchmarks.md, "Fidelity").
+becomes a step model this way, for a step of ``n`` running sequences of which ``p`` join:
+
+- nobody joins: ``itl(n)``;
+- all ``n`` join an idle engine at once: ``ttft(n)`` (``itl(n) + ttft(p) - itl(p)`` with
+  ``p = n``), which is how the profile's closed loop measured them (its clients' equal
+  answers keep them in step);
+- ``p`` join a batch that is decoding: ``itl(n) + p * (ttft(1) - itl(1))``: each joiner pays
+  what its prompt's prefill costs alone over a decode step.
+
+The last is measured, not assumed (2026-12-03, smollm2 on the 2-CPU machine, every engine
+step of a real run at 120% timed inside transformers' manager): a decoding step of 8 took
+229 ms; with 1 joiner 431, with 3 832; 7 running of which 5 joined, 1,066 ms: 160-215 ms
+per joiner whatever their number, against 138 ms for a prompt alone. A prefill batched into
+steps that also decode gains nothing from its company, while prompts that join an idle
+engine together do (4 at once: 315 ms in all). The models of before shared the prefill out:
+``itl(n) + (ttft(n) - itl(n)) * p / n`` made a lone joiner among ``n`` cost a ``1/n``
+share of ``n`` prompts, and ``itl(n) + ttft(p) - itl(p)`` made 3 joiners cost half of what
+they did. Both gave first tokens too early and, past capacity, a stack that served more
+than the real one (docs/benchmarks.md, "Fidelity").
 """
 
 from __future__ import annotations
@@ -89,13 +99,15 @@ class CurveBatch:
 class ConcurrencySteps:
     """``step_s`` from ``ttft_ms`` / ``itl_ms`` by running sequences (see the module note)."""
 
-    __slots__ = ("_decode", "_itl", "_prefill", "_ttft")
+    __slots__ = ("_decode", "_itl", "_join_s", "_prefill", "_ttft")
 
     def __init__(self, ttft_ms: Curve, itl_ms: Curve) -> None:
         self._ttft = ttft_ms
         self._itl = itl_ms
         self._decode: dict[int, float] = {}  # n running -> itl(n), seconds
-        self._prefill: dict[int, float] = {}  # p joining -> ttft(p) - itl(p), seconds
+        self._prefill: dict[int, float] = {}  # p joining an idle engine -> ttft(p) - itl(p)
+        # one joiner into a decoding batch: its prompt's prefill alone, over a decode step
+        self._join_s = max(0.0, ttft_ms(1) - itl_ms(1)) / 1e3
 
     def step_s(self, num_decode: int, num_prefill: int, prefill_tokens: int) -> float:
         running = num_decode + num_prefill
@@ -106,6 +118,8 @@ class ConcurrencySteps:
             decode_s = self._decode[running] = self._itl(running) / 1e3
         if not num_prefill:
             return decode_s
+        if num_decode:
+            return decode_s + num_prefill * self._join_s
         prefill_s = self._prefill.get(num_prefill)
         if prefill_s is None:
             extra_ms = self._ttft(num_prefill) - self._itl(num_prefill)
