@@ -40,7 +40,11 @@ compared with the first by the same figures and tolerances (how far the real sta
 itself), and with the simulator. Printed beside the verdicts, not a target: a simulator
 cannot be asked to agree with a stack more closely than the stack agrees with itself.
 Also printed, not a target: each judged percentile replayed with the engine 3% faster and
-3% slower (``--sensitivity``), and how many come within 15% somewhere in that range.
+3% slower (``--sensitivity``), and how many come within 15% somewhere in that range; and
+each run replayed with its own engine time (every batch or step scaled by the engine time
+per batch the worker reported in the run, or for generation by the run's real over simulated
+decode time per token), which judges the simulator's model of the stack apart from how far
+the engine's speed moved between the profile and the run.
 
 Run (a through-gateway profile, about 1.5 minutes, then about 1.5 minutes per policy, for
 each load):
@@ -77,8 +81,8 @@ import httpx
 import bench_gateway as bg
 import loadgen as lg
 from summary import write_verdicts
-from tidegate.engines.profile import Curve, EngineProfile, load_profile
-from tidegate.sim.service import CurveBatch, ServiceModel, load_service
+from tidegate.engines.profile import EngineProfile, load_profile
+from tidegate.sim.service import load_service, scaled
 from tidegate.sim.traces import open_trace
 from tidegate.sim.validate import (
     Figure,
@@ -145,7 +149,7 @@ class RunOutcome:
     figures: list[Figure]
     notes: dict[str, Any]
     # Diagnostic, not the target: the same run with the profile rescaled to the engine time
-    # the worker reported during the run (what the service model alone gets wrong).
+    # of the run (the worker's, or generation's decode time per token; module docstring).
     rescaled: list[Figure] | None = None
     run: RecordedRun | None = None  # the real run, kept for the noise floor
 
@@ -158,14 +162,6 @@ class Repeat:
     policy: str
     again: list[Figure]  # real run 2 against real run 1
     simulated: list[Figure]  # the simulator against real run 2
-
-
-def rescaled_service(profile_path: Path, factor: float) -> ServiceModel:
-    """The profile's batch curve times ``factor``."""
-    curve = load_profile(profile_path).batch_latency_ms
-    assert curve is not None
-    scaled = Curve(curve.xs, tuple(y * factor for y in curve.ys))
-    return ServiceModel(f"profile x {factor:.2f}", "embeddings", batch=CurveBatch(scaled))
 
 
 def capacity_per_s(profile: EngineProfile) -> float:
@@ -601,16 +597,22 @@ def one_run(
     service = load_service(str(args.profile))
     validation, measured, simulated = validate(run, service, TOLERANCES, SENSITIVITY)
     if service.batch is None:  # generation: no batches to compare, tokens instead
+        real_ms, sim_ms = decode_ms_per_token(measured, run), decode_ms_per_token(simulated, run)
         notes = {
             "network_ms": validation.network_s * 1e3,
             "idle_round_trip_ms": (run.idle_round_trip_s or 0.0) * 1e3,
-            "decode_ms_per_token": {
-                "real": decode_ms_per_token(measured, run),
-                "sim": decode_ms_per_token(simulated, run),
-            },
+            "decode_ms_per_token": {"real": real_ms, "sim": sim_ms},
             "validation": validation_data(validation),
         }
-        return RunOutcome(load, policy, list(validation.figures), notes, run=run)
+        outcome = RunOutcome(load, policy, list(validation.figures), notes, run=run)
+        if sim_ms > 0 and math.isfinite(real_ms / sim_ms):
+            # the run's own engine speed: every step as much slower as its decode was
+            factor = real_ms / sim_ms
+            again, _, _ = validate(run, scaled(service, factor), TOLERANCES)
+            notes["rescale_factor"] = factor
+            notes["rescaled_validation"] = validation_data(again)
+            outcome.rescaled = list(again.figures)
+        return outcome
     sizes = simulated.batches
     count = sum(sizes.values())
     engine_s = sum(service.batch.batch_s(size, 0) * n for size, n in sizes.items())
@@ -631,7 +633,7 @@ def one_run(
     profiled_ms = service.batch.batch_s(max(1, round(real_batches.mean_size)), 0) * 1e3
     if real_batches.count and profiled_ms > 0:
         factor = real_batches.mean_ms / profiled_ms
-        again, _, _ = validate(run, rescaled_service(args.profile, factor), TOLERANCES)
+        again, _, _ = validate(run, scaled(service, factor), TOLERANCES)
         notes["rescale_factor"] = factor
         notes["rescaled_network_ms"] = again.network_s * 1e3
         notes["rescaled_validation"] = validation_data(again)
@@ -712,14 +714,15 @@ def rescaled_lines(outcomes: list[RunOutcome]) -> list[str]:
             continue
         for cls, _ in MIX:
             got = {f.name: f for f in o.rescaled if f.cls == cls}
-            if "e2e p50 ms" not in got:
-                continue
-            judged += [got["e2e p50 ms"], got["e2e p95 ms"]]
-            lines.append(
-                f"| {o.load:.0%} {o.policy} | {o.notes['rescale_factor']:.2f} | {cls} "
-                f"| {pct(got['e2e p50 ms'].error)} | {pct(got['e2e p95 ms'].error)} "
-                f"| {pct(got['throughput /s'].error)} |"
-            )
+            for kind in ("ttft", "e2e") if SPEC.task == "generate" else ("e2e",):
+                if f"{kind} p50 ms" not in got:
+                    continue
+                judged += [got[f"{kind} p50 ms"], got[f"{kind} p95 ms"]]
+                lines.append(
+                    f"| {o.load:.0%} {o.policy} | {o.notes['rescale_factor']:.2f} | {cls} {kind} "
+                    f"| {pct(got[f'{kind} p50 ms'].error)} | {pct(got[f'{kind} p95 ms'].error)} "
+                    f"| {pct(got['throughput /s'].error)} |"
+                )
     ok = sum(f.ok for f in judged)
     lines.append("")
     lines.append(
@@ -1019,11 +1022,11 @@ def main() -> int:
     if SPEC.task == "embeddings":
         print()
         print(diagnostics(outcomes))
-        print()
-        print("\n".join(rescaled_lines(outcomes)))
     else:
         print()
         print(token_diagnostics(outcomes))
+    print()
+    print("\n".join(rescaled_lines(outcomes)))
     print()
     print("\n".join(sensitivity_lines(outcomes)))
     if repeats:
