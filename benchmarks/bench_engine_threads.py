@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 import loadgen as lg
-from summary import write_verdicts
+from summary import print_verdicts, write_verdicts
 
 TEXT = "the quick brown fox number {} jumps over the lazy dog again today"
 
@@ -139,10 +139,7 @@ def main() -> int:
             )
     print()
     lines = verdicts(results, sizes, os.cpu_count() or 1)
-    print("```")
-    print("\n".join(lines))
-    print("```")
-    write_verdicts(args.verdict, "bench_engine_threads", lines)
+    print_verdicts(args.verdict, "bench_engine_threads", lines)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

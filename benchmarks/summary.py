@@ -33,6 +33,7 @@ BENCHMARKS = (
     "bench_gateway",
     "bench_sim",
     "bench_sim_fidelity",
+    "bench_join_steps",
     "bench_autoscale",
     "bench_prefix",
     "bench_fairness",
@@ -55,6 +56,14 @@ def verdict_rows(lines: Sequence[str], errors: Sequence[str] = ()) -> list[dict[
         text = error.strip().splitlines()
         rows.append({"verdict": "ERROR", "target": text[-1] if text else "failed"})
     return rows
+
+
+def print_verdicts(path: Path | None, benchmark: str, lines: Sequence[str]) -> None:
+    """Print the verdict lines as one fenced block, and write them to ``path``."""
+    print("```")
+    print("\n".join(lines))
+    print("```")
+    write_verdicts(path, benchmark, lines)
 
 
 def write_verdicts(
