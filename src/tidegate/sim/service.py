@@ -26,9 +26,10 @@ becomes a step model this way, for a step of ``n`` running sequences of which ``
 The last is measured, not assumed (2026-12-03, smollm2 on the 2-CPU machine, every engine
 step of a real run at 120% timed inside transformers' manager): a decoding step of 8 took
 229 ms; with 1 joiner 431, with 3 832; 7 running of which 5 joined, 1,066 ms: 160-215 ms
-per joiner whatever their number, against 138 ms for a prompt alone. A prefill batched into
-steps that also decode gains nothing from its company, while prompts that join an idle
-engine together do (4 at once: 315 ms in all). The models of before shared the prefill out:
+per joiner whatever their number, against 138 ms for a prompt alone. In that run a prefill
+mixed into steps that also decoded gained nothing from its company, while prompts that joined
+an idle engine together did (4 at once: 315 ms in all, one sample); ``bench_join_steps`` times
+the same steps on the engine alone. The models of before shared the prefill out:
 ``itl(n) + (ttft(n) - itl(n)) * p / n`` made a lone joiner among ``n`` cost a ``1/n``
 share of ``n`` prompts, and ``itl(n) + ttft(p) - itl(p)`` made 3 joiners cost half of what
 they did. Both gave first tokens too early and, past capacity, a stack that served more
