@@ -83,9 +83,8 @@ import httpx
 import bench_gateway as bg
 import loadgen as lg
 from summary import write_verdicts
-from tidegate.config.loading import parse_config
 from tidegate.engines.profile import EngineProfile, load_profile
-from tidegate.sim.run import Scenario, Simulation
+from tidegate.sim.saturation import saturated_per_s as saturated_per_s_of
 from tidegate.sim.service import from_profile, load_service, scaled
 from tidegate.sim.traces import open_trace
 from tidegate.sim.validate import (
@@ -100,7 +99,7 @@ from tidegate.sim.validate import (
     validation_data,
     write_run,
 )
-from tidegate.sim.workload import Arrival, Listed
+from tidegate.sim.workload import Arrival
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
@@ -111,7 +110,6 @@ GENERATE_PROBES = 4
 # Each run is also replayed with the engine 3% faster and slower (``--sensitivity``): the
 # real engine's time per batch moved by up to 3.5% between runs a minute apart here.
 SENSITIVITY = 0.03
-SATURATE_S = 200.0  # generation's capacity: simulated seconds of arrivals (saturated_per_s)
 
 
 @dataclass(frozen=True)
@@ -192,42 +190,16 @@ def closed_loop_per_s(profile: EngineProfile) -> float:
 
 def saturated_per_s(profile: EngineProfile) -> float:
     """Generation: what the simulator serves with ``profile`` under an open loop it cannot
-    keep up with: Poisson arrivals at twice the closed loop's best rate for SATURATE_S, one
-    replica of MAX_BATCH sequences, answers of ``SPEC.output_tokens``; completions per second
-    between the first and the last fifth of them.
+    keep up with (``tidegate.sim.saturation``): Poisson arrivals at twice the closed loop's
+    best rate, one replica of MAX_BATCH sequences, answers of ``SPEC.output_tokens``.
 
-    Arrivals that do not wait for each other join a batch that is decoding, a few at a time,
-    and each pays its prefill alone (sim/service.py): a full engine refills slower than the
-    closed loop's lockstep, where all join an idle engine together. On 2026-12-03 the closed
-    loop's rate overstated what the real stack answered under an open loop by about 40%
-    (1.84 against 1.26-1.31 requests/s), so "80%" of it was past capacity."""
+    On 2026-12-03 the closed loop's rate overstated what the real stack answered under an
+    open loop by about 40% (1.84 against 1.26-1.31 requests/s), so "80%" of it was past
+    capacity."""
+    service = from_profile(profile, "")
     rate = 2 * closed_loop_per_s(profile)
-    draw = random.Random("fidelity:saturation")
-    arrivals: list[Arrival] = []
-    at = 0.0
-    while at < SATURATE_S:
-        arrivals.append(Arrival(at, CHAT_PROMPT_TOKENS, SPEC.output_tokens, MIX[-1][0]))
-        at += draw.expovariate(rate)
-    config = parse_config(serve_config("fifo", "transformers", None), "<saturation>")
-    scenario = Scenario(
-        config,
-        MODEL,
-        from_profile(profile, ""),
-        Listed("saturation", arrivals),
-        dict(config.model(MODEL).replicas),
-        keep_requests=True,
-    )
-    records = Simulation(scenario).run().recorder.requests
-    assert records is not None
-    ends = sorted(
-        arrivals[int(r.id)].arrival_s + r.e2e_s
-        for r in records
-        if r.outcome == "completed" and r.e2e_s is not None
-    )
-    first, last = len(ends) // 5, 4 * len(ends) // 5
-    if last <= first or ends[last] <= ends[first]:
-        return closed_loop_per_s(profile)
-    return (last - first) / (ends[last] - ends[first])
+    served = saturated_per_s_of(service, MAX_BATCH, rate, SPEC.output_tokens, CHAT_PROMPT_TOKENS)
+    return served or closed_loop_per_s(profile)
 
 
 def arrivals_for(trace: Path, rate_per_s: float, duration_s: float, seed: int) -> list[Arrival]:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.profile.test_outputs import EMBEDDINGS_POINTS, GENERATE_POINTS, SLO, record
+from tests.profile.test_outputs import EMBEDDINGS_POINTS, GENERATE_POINTS, SLO, point, record
 from tidegate.core.capacity import Slo
 from tidegate.engines.profile import Curve, load_profile
 from tidegate.errors import ConfigError
@@ -21,6 +21,7 @@ from tidegate.profile.openloop import (
     chosen,
     closed_loop_curve,
     closed_loop_itl,
+    generation_capacity,
     curve_capacity,
     decoding_gaps,
     spans_s,
@@ -115,7 +116,10 @@ def test_the_profile_writes_the_calibrated_curve_and_every_try(tmp_path: Path) -
     options = ProfileOptions(
         model="minilm", out=tmp_path, slo=SLO, through_gateway=True, command="tidegate profile"
     )
-    tries = (open_point(completed_rps=60.0), open_point(batch_latency_ms=36.0))
+    tries = (
+        open_point(completed_rps=60.0, capacity_rps=117.6),
+        open_point(batch_latency_ms=36.0),
+    )
     run = dataclasses.replace(record(tmp_path), options=options, open_loop=tries)
     write_outputs(
         tmp_path,
@@ -131,6 +135,12 @@ def test_the_profile_writes_the_calibrated_curve_and_every_try(tmp_path: Path) -
     assert measured["open_loop"]["at_mean_batch"] == 4.0
     assert [t["kept_up"] for t in measured["open_loop"]["tries"]] == [False, True]
     assert "open-loop factor 1.50" in measured["curve_source"]
+    assert measured["open_loop"]["tries"][0]["capacity_rps"] == 117.6
+    report = (tmp_path / "report.md").read_text()
+    assert "## Open-loop point" in report
+    assert "- Try 1 at 85% of 117.60 req/s: 100.00 offered, 60.00 answered" in report
+    assert "did NOT keep up" in report
+    assert "closed loop's times 1.50 from mean batch 4.0 up" in report
 
 
 def test_without_an_open_loop_the_curve_is_the_closed_loop_one(tmp_path: Path) -> None:
@@ -258,3 +268,36 @@ def test_a_generation_profile_scales_both_curves_by_the_token_factor(tmp_path: P
     measured = json.loads((tmp_path / "profile.json").read_text())["measured"]
     assert measured["open_loop"]["at_mean_batch"] == 4.0
     assert "mean sequences decoding 4.0" in measured["curve_source"]
+    report = (tmp_path / "report.md").read_text()
+    assert "each joining prompt pays its own prefill" in report
+    assert "The closed loop's best throughput was 100.00 requests/s." in report
+    assert "from mean sequences decoding 4.0 up" in report
+
+
+def test_generation_capacity_is_the_simulators_open_loop_rate_not_the_lockstep() -> None:
+    # A closed loop of chats of 16 tokens: c sequences join an idle engine together (one
+    # shared prefill, ttft(c)) and end together, c / (ttft(c) + 15 itl(c)) requests/s.
+    steps = {1: (250.0, 100.0), 4: (400.0, 130.0), 8: (550.0, 200.0)}  # c: (ttft, itl) ms
+    points = [
+        point(
+            "concurrency",
+            8,
+            None,
+            c,
+            throughput_rps=c / ((ttft + 15 * itl) / 1e3),
+            ttft_mean_ms=ttft,
+            itl_mean_ms=itl,
+            mean_output_tokens=16.0,
+        )
+        for c, (ttft, itl) in steps.items()
+    ]
+    found = generation_capacity(points, 8)
+    assert found is not None
+    curve, capacity, best = found
+    assert curve == closed_loop_itl(points, 8)[0]  # type: ignore[index]
+    assert best == pytest.approx(8 / 3.55)  # the closed loop's best: 2.25 requests/s
+    # Under arrivals that do not wait, the 8 running sequences end and join a few at a time
+    # and each joiner pays a lone prompt's prefill (150 ms): about 0.5 joiners a step of
+    # 200 + 0.5 x 150 ms, 1.82 requests/s (sim/saturation.py).
+    assert capacity == pytest.approx(0.5 / 0.275, rel=0.05)
+    assert generation_capacity([], 8) is None

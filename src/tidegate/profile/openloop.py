@@ -35,8 +35,13 @@ loop's curve is of decode steps; the simulator costs joins apart). The factor is
 the measured gaps over the sum of the curve's, and the "batch" it is measured at is the mean
 of those counts; both curves the simulator replays (time to first token and inter-token
 latency, by running sequences) are scaled by it the same way. The capacity the rate is a
-fraction of is the best throughput the closed-loop levels measured with every sequence
-running.
+fraction of is not the closed loop's best throughput: its sequences joined an idle engine
+together and shared one prefill, where arrivals that do not wait join a decoding batch a few
+at a time and each pays its own (sim/service.py). It is what the simulator answers with the
+closed-loop curves under Poisson arrivals at twice that rate (``generation_capacity``,
+``tidegate.sim.saturation``): on the 2-CPU machine the closed loop's best was about 1.4x what
+the real stack answered in an open loop, so a point aimed at 85% of it was past capacity and
+had to be measured twice.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ from tidegate.engines.profile import Curve, MeasuredPoint
 from tidegate.profile.loadgen import Completion, RequestSpec, send
 from tidegate.profile.measure import percentile_ms
 from tidegate.profile.resources import ResourceMeter, usage_between
+from tidegate.sim.saturation import saturated_per_s
+from tidegate.sim.service import ConcurrencySteps, ServiceModel
 
 DEFAULT_FRACTION = 0.85  # of the closed-loop capacity
 KEPT_UP = 0.95  # completed / offered at or above this: the stack kept up
@@ -86,6 +93,7 @@ class OpenLoopPoint:
     # and the mean gap measured; curve_ms is then the closed-loop curve's mean over the gaps.
     mean_running: float | None = None
     itl_mean_ms: float | None = None
+    capacity_rps: float | None = None  # the capacity the rate was ``fraction`` of
 
     @property
     def kept_up(self) -> bool:
@@ -135,15 +143,39 @@ def closed_loop_curve(points: Sequence[MeasuredPoint]) -> Curve | None:
 def closed_loop_itl(points: Sequence[MeasuredPoint], max_seqs: int) -> tuple[Curve, float] | None:
     """Generation: the closed-loop inter-token curve by running sequences, and the best
     throughput (requests/s) measured with at most ``max_seqs`` in flight (all of them running)."""
-    running = [
-        p
-        for p in points
-        if p.itl_mean_ms is not None and p.num_requests > 0 and p.concurrency <= max_seqs
-    ]
+    running = _running(points, max_seqs)
     if not running:
         return None
     pairs = {float(p.concurrency): p.itl_mean_ms or 0.0 for p in running}
     return _sorted_curve(pairs), max(p.throughput_rps for p in running)
+
+
+def generation_capacity(
+    points: Sequence[MeasuredPoint], max_seqs: int
+) -> tuple[Curve, float, float] | None:
+    """Generation: the closed-loop inter-token curve, the capacity under open-loop arrivals
+    (requests/s, module docstring) and the closed loop's best throughput."""
+    closed = closed_loop_itl(points, max_seqs)
+    if closed is None:
+        return None
+    itl, best = closed
+    running = [p for p in _running(points, max_seqs) if p.ttft_mean_ms is not None]
+    if not running or best <= 0:
+        return itl, best, best
+    ttft = _sorted_curve({float(p.concurrency): p.ttft_mean_ms or 0.0 for p in running})
+    output = max(1, round(sum(p.mean_output_tokens for p in running) / len(running)))
+    service = ServiceModel("closed loop", "generate", step=ConcurrencySteps(ttft, itl))
+    capacity = saturated_per_s(service, max_seqs, 2 * best, output)
+    return itl, (capacity or best), best
+
+
+def _running(points: Sequence[MeasuredPoint], max_seqs: int) -> list[MeasuredPoint]:
+    """Closed-loop generation points with every sequence running (none queued)."""
+    return [
+        p
+        for p in points
+        if p.itl_mean_ms is not None and p.num_requests > 0 and p.concurrency <= max_seqs
+    ]
 
 
 def _sorted_curve(pairs: dict[float, float]) -> Curve:
@@ -324,7 +356,7 @@ def chosen(tries: Sequence[OpenLoopPoint]) -> OpenLoopPoint | None:
 def point_line(point: OpenLoopPoint) -> str:
     factor = point.factor
     parts = [
-        f"{point.offered_rps:.1f} offered, {point.completed_rps:.1f} answered req/s",
+        f"{point.offered_rps:.2f} offered, {point.completed_rps:.2f} answered req/s",
         f"p95 {point.latency_p95_ms:.0f} ms",
     ]
     if point.num_refused:

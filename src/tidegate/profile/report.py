@@ -14,6 +14,7 @@ from typing import Any
 
 from tidegate.engines.profile import MeasuredPoint
 from tidegate.profile.measure import config_label
+from tidegate.profile.openloop import chosen, closed_loop_itl, point_line
 from tidegate.profile.recommend import Recommendation, slo_text
 from tidegate.profile.record import RunRecord, host_facts
 
@@ -44,6 +45,7 @@ def report_markdown(
             lines += [f"## {title}", "", *rows, ""]
             if sweep in record.climb_stops:
                 lines += [f"Stopped climbing: {record.climb_stops[sweep]}.", ""]
+    lines += _open_loop(record, points)
     lines += _notes(points)
     if png:
         lines += ["![latency, throughput and memory curves](report.png)", ""]
@@ -178,6 +180,45 @@ def _tables(
         rule = "|" + "---:|" * len(columns) + ":---|"
         tables.append((title, sweep, [header, rule, *rows] if rows else []))
     return tables
+
+
+def _open_loop(record: RunRecord, points: Sequence[MeasuredPoint]) -> list[str]:
+    """The open-loop tries of ``--through-gateway`` and what they did to the curves."""
+    if not record.open_loop:
+        return []
+    generate = record.task == "generate"
+    aimed = (
+        "what the simulator answers with the closed-loop curves under arrivals that do not "
+        "wait, where each joining prompt pays its own prefill (docs/profile.md)"
+        if generate
+        else "full batches back to back on the closed-loop curve"
+    )
+    lines = [
+        "## Open-loop point",
+        "",
+        f"Poisson arrivals at a fraction of the capacity predicted from the closed loop: {aimed}.",
+        "",
+    ]
+    closed = closed_loop_itl(points, record.options.max_batch) if generate else None
+    if closed is not None:
+        lines += [f"The closed loop's best throughput was {closed[1]:,.2f} requests/s.", ""]
+    for number, attempt in enumerate(record.open_loop, 1):
+        target = (
+            ""
+            if attempt.capacity_rps is None
+            else f" at {attempt.fraction:.0%} of {attempt.capacity_rps:,.2f} req/s"
+        )
+        lines.append(f"- Try {number}{target}: {point_line(attempt)}.")
+    used = chosen(record.open_loop)
+    factor = None if used is None else used.factor
+    if used is not None and factor is not None and used.at_batch is not None:
+        what = "sequences decoding" if generate else "batch"
+        lines += [
+            "",
+            f"The curves in profile.json are the closed loop's times {factor:.2f} from mean "
+            f"{what} {used.at_batch:.1f} up (1 at 1, linear in between).",
+        ]
+    return [*lines, ""]
 
 
 def _notes(points: Sequence[MeasuredPoint]) -> list[str]:

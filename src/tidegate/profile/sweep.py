@@ -29,7 +29,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,8 +52,8 @@ from tidegate.profile.openloop import (
     TRIES,
     OpenLoopPoint,
     closed_loop_curve,
-    closed_loop_itl,
     curve_capacity,
+    generation_capacity,
     measure_open_loop,
     point_line,
     spans_s,
@@ -218,9 +218,14 @@ class Planner:
         """The open-loop point(s) after the closed-loop levels (profile/openloop.py)."""
         o = self.options
         generate = self.prepared is not None and self.prepared.task == "generate"
+        predicted = "the capacity the curve predicts"
         if generate:
-            itl = closed_loop_itl(self.points, o.max_batch)
-            curve, capacity = itl if itl is not None else (None, 0.0)
+            found = generation_capacity(self.points, o.max_batch)
+            curve, capacity, best = found if found is not None else (None, 0.0, 0.0)
+            predicted = (
+                f"what the simulator answers with the closed-loop curves under arrivals that "
+                f"do not wait; the closed loop's best was {best:.2f}"
+            )
         else:
             curve = closed_loop_curve(self.points)
             capacity = 0.0 if curve is None else curve_capacity(curve, o.max_batch)
@@ -233,9 +238,10 @@ class Planner:
                 return
             rate = fraction * capacity
             self.progress.note(
-                f"open loop: Poisson arrivals at {rate:.1f} requests/s "
-                f"({fraction:.0%} of {capacity:.1f}, the capacity the curve predicts)"
+                f"open loop: Poisson arrivals at {rate:.2f} requests/s "
+                f"({fraction:.0%} of {capacity:.2f}, {predicted})"
             )
+            predicted = "the capacity the first try's factor corrects"
             point = await measure_open_loop(
                 session,
                 url,
@@ -251,6 +257,7 @@ class Planner:
             )
             if point is None:
                 return
+            point = replace(point, capacity_rps=round(capacity, 3))
             self.open_loop.append(point)
             self.progress.note(f"open loop: {point_line(point)}")
             if point.kept_up or point.factor is None:
