@@ -21,9 +21,10 @@ from tidegate.profile.openloop import (
     chosen,
     closed_loop_curve,
     closed_loop_itl,
-    generation_capacity,
     curve_capacity,
     decoding_gaps,
+    embeddings_capacity,
+    generation_capacity,
     spans_s,
 )
 from tidegate.profile.options import ProfileOptions
@@ -138,6 +139,11 @@ def test_the_profile_writes_the_calibrated_curve_and_every_try(tmp_path: Path) -
     assert measured["open_loop"]["tries"][0]["capacity_rps"] == 117.6
     report = (tmp_path / "report.md").read_text()
     assert "## Open-loop point" in report
+    assert "each batch takes what is queued, up to max batch" in report
+    closed = closed_loop_curve(EMBEDDINGS_POINTS)
+    assert closed is not None
+    best = curve_capacity(closed, options.max_batch)
+    assert f"The closed loop's best throughput was {best:,.2f} requests/s." in report
     assert "- Try 1 at 85% of 117.60 req/s: 100.00 offered, 60.00 answered" in report
     assert "did NOT keep up" in report
     assert "closed loop's times 1.50 from mean batch 4.0 up" in report
@@ -301,3 +307,15 @@ def test_generation_capacity_is_the_simulators_open_loop_rate_not_the_lockstep()
     # 200 + 0.5 x 150 ms, 1.82 requests/s (sim/saturation.py).
     assert capacity == pytest.approx(0.5 / 0.275, rel=0.05)
     assert generation_capacity([], 8) is None
+
+
+def test_past_capacity_an_embeddings_replica_runs_batches_of_max_batch() -> None:
+    # The cheapest size per input is 16 (160 requests/s); past capacity the replica takes
+    # batches of 32, at 250 ms each: 128 requests/s.
+    curve = Curve((1.0, 16.0, 32.0), (20.0, 100.0, 250.0))
+    capacity, best = embeddings_capacity(curve, 32, 5.0)
+    assert best == pytest.approx(160.0)
+    assert capacity == pytest.approx(32 / 0.25, rel=0.03)
+    linear = Curve((1.0, 32.0), (10.0, 100.0))  # cheapest at 32: the two agree
+    capacity, best = embeddings_capacity(linear, 32, 5.0)
+    assert capacity == pytest.approx(best, rel=0.03)

@@ -21,7 +21,7 @@ from tidegate.config import parse_config
 from tidegate.engines.profile import load_profile
 from tidegate.errors import ConfigError
 from tidegate.profile.gateway import configured_window, stack_config
-from tidegate.profile.openloop import calibrated_curve, closed_loop_curve, curve_capacity
+from tidegate.profile.openloop import calibrated_curve, closed_loop_curve, embeddings_capacity
 from tidegate.profile.options import DEFAULT_WINDOW_MS, ProfileOptions
 
 KNOWN_BATCH_MS = {1: 60.0, 2: 70.0, 4: 90.0}
@@ -156,14 +156,18 @@ def test_through_the_gateway_recovers_the_engine_curve_and_cleans_up(tmp_path: P
     eight = profile.points[-1]
     assert eight.mean_batch_size is not None
     assert eight.mean_batch_size > 3.0  # 8 in flight, 8 slots: batches leave nearly full
-    # The open-loop point: Poisson arrivals at 85% of the closed loop's capacity, in the same
-    # stack; the curve written is the closed-loop one times its factor.
+    # The open-loop point: Poisson arrivals at 85% of the capacity the closed-loop curve
+    # predicts when arrivals keep coming, in the same stack; the curve written is the
+    # closed-loop one times its factor.
     assert "open loop: Poisson arrivals" in result.stderr
     open_loop = profile.raw["measured"]["open_loop"]
     first = open_loop["tries"][0]
     closed = closed_loop_curve(profile.points)
     assert closed is not None
-    assert first["offered_rps"] == pytest.approx(0.85 * curve_capacity(closed, 4), rel=0.35)
+    capacity, best = embeddings_capacity(closed, 4, DEFAULT_WINDOW_MS)
+    assert capacity <= best * 1.03
+    assert first["capacity_rps"] == pytest.approx(capacity, rel=0.01)
+    assert first["offered_rps"] == pytest.approx(0.85 * capacity, rel=0.35)
     assert first["mean_batch_size"] >= 1.0
     # The engine sleeps the known curve: a loaded machine adds time, never takes it away.
     # (Not the factor itself: it is over the closed loop's times, which a burst of other

@@ -59,7 +59,7 @@ def test_a_slower_engine_answers_proportionally_less() -> None:
     ("max_batch", "rate", "duration"), [(0, 1.0, 10.0), (4, 0.0, 10.0), (4, 1.0, -1.0)]
 )
 def test_nonsense_is_refused(max_batch: int, rate: float, duration: float) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"must be >= 1|need a rate and a duration"):
         saturated_per_s(chat_engine(0.0), max_batch, rate, duration_s=duration)
 
 

@@ -34,8 +34,14 @@ token), leaving out the gaps of steps that also prefilled a joining sequence (th
 loop's curve is of decode steps; the simulator costs joins apart). The factor is the sum of
 the measured gaps over the sum of the curve's, and the "batch" it is measured at is the mean
 of those counts; both curves the simulator replays (time to first token and inter-token
-latency, by running sequences) are scaled by it the same way. The capacity the rate is a
-fraction of is not the closed loop's best throughput: its sequences joined an idle engine
+latency, by running sequences) are scaled by it the same way.
+
+The capacity the rate is a fraction of is what one replica answers when arrivals keep coming
+(``tidegate.sim.saturation``: the simulator, fed the closed-loop curves, offered twice the
+closed loop's best rate). For embeddings it is at most the curve's best rate: past capacity a
+replica takes batches of max batch, not the size cheapest per input (on the 2-CPU machine a
+batch of 32 cost 2.1-2.5x a batch of 16: 78-95% of the best rate). For generation it is well
+below the closed loop's best throughput: its sequences joined an idle engine
 together and shared one prefill, where arrivals that do not wait join a decoding batch a few
 at a time and each pays its own (sim/service.py). It is what the simulator answers with the
 closed-loop curves under Poisson arrivals at twice that rate (``generation_capacity``,
@@ -63,7 +69,7 @@ from tidegate.profile.loadgen import Completion, RequestSpec, send
 from tidegate.profile.measure import percentile_ms
 from tidegate.profile.resources import ResourceMeter, usage_between
 from tidegate.sim.saturation import saturated_per_s
-from tidegate.sim.service import ConcurrencySteps, ServiceModel
+from tidegate.sim.service import ConcurrencySteps, CurveBatch, ServiceModel
 
 DEFAULT_FRACTION = 0.85  # of the closed-loop capacity
 KEPT_UP = 0.95  # completed / offered at or above this: the stack kept up
@@ -167,6 +173,18 @@ def generation_capacity(
     service = ServiceModel("closed loop", "generate", step=ConcurrencySteps(ttft, itl))
     capacity = saturated_per_s(service, max_seqs, 2 * best, output)
     return itl, (capacity or best), best
+
+
+def embeddings_capacity(curve: Curve, max_batch: int, window_ms: float) -> tuple[float, float]:
+    """Embeddings: the capacity under open-loop arrivals (requests/s: the simulator's replica
+    past capacity runs batches of ``max_batch``, whatever size is cheapest per input) and the
+    curve's best rate (``curve_capacity``)."""
+    best = curve_capacity(curve, max_batch)
+    if best <= 0:
+        return best, best
+    service = ServiceModel("closed loop", "embeddings", batch=CurveBatch(curve))
+    capacity = saturated_per_s(service, max_batch, 2 * best, batch_window_ms=window_ms)
+    return (capacity or best), best
 
 
 def _running(points: Sequence[MeasuredPoint], max_seqs: int) -> list[MeasuredPoint]:

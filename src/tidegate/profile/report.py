@@ -14,7 +14,13 @@ from typing import Any
 
 from tidegate.engines.profile import MeasuredPoint
 from tidegate.profile.measure import config_label
-from tidegate.profile.openloop import chosen, closed_loop_itl, point_line
+from tidegate.profile.openloop import (
+    chosen,
+    closed_loop_curve,
+    closed_loop_itl,
+    curve_capacity,
+    point_line,
+)
 from tidegate.profile.recommend import Recommendation, slo_text
 from tidegate.profile.record import RunRecord, host_facts
 
@@ -187,21 +193,22 @@ def _open_loop(record: RunRecord, points: Sequence[MeasuredPoint]) -> list[str]:
     if not record.open_loop:
         return []
     generate = record.task == "generate"
-    aimed = (
-        "what the simulator answers with the closed-loop curves under arrivals that do not "
-        "wait, where each joining prompt pays its own prefill (docs/profile.md)"
+    joins = (
+        "each joining prompt pays its own prefill"
         if generate
-        else "full batches back to back on the closed-loop curve"
+        else "each batch takes what is queued, up to max batch"
     )
     lines = [
         "## Open-loop point",
         "",
-        f"Poisson arrivals at a fraction of the capacity predicted from the closed loop: {aimed}.",
+        "Poisson arrivals at a fraction of the capacity predicted from the closed loop: what "
+        f"the simulator answers with its curves when arrivals keep coming, where {joins} "
+        "(docs/profile.md).",
         "",
     ]
-    closed = closed_loop_itl(points, record.options.max_batch) if generate else None
-    if closed is not None:
-        lines += [f"The closed loop's best throughput was {closed[1]:,.2f} requests/s.", ""]
+    best = _closed_loop_best(points, record.options.max_batch, generate)
+    if best:
+        lines += [f"The closed loop's best throughput was {best:,.2f} requests/s.", ""]
     for number, attempt in enumerate(record.open_loop, 1):
         target = (
             ""
@@ -219,6 +226,14 @@ def _open_loop(record: RunRecord, points: Sequence[MeasuredPoint]) -> list[str]:
             f"{what} {used.at_batch:.1f} up (1 at 1, linear in between).",
         ]
     return [*lines, ""]
+
+
+def _closed_loop_best(points: Sequence[MeasuredPoint], max_batch: int, generate: bool) -> float:
+    if generate:
+        closed = closed_loop_itl(points, max_batch)
+        return 0.0 if closed is None else closed[1]
+    curve = closed_loop_curve(points)
+    return 0.0 if curve is None else curve_capacity(curve, max_batch)
 
 
 def _notes(points: Sequence[MeasuredPoint]) -> list[str]:

@@ -52,7 +52,7 @@ from tidegate.profile.openloop import (
     TRIES,
     OpenLoopPoint,
     closed_loop_curve,
-    curve_capacity,
+    embeddings_capacity,
     generation_capacity,
     measure_open_loop,
     point_line,
@@ -210,25 +210,30 @@ class Planner:
                 spec = PointSpec("concurrency", level, o.max_batch, window)
                 await self._measure(session, started[0], started[1], spec)
             if o.open_loop_fraction() > 0:
-                await self._open_loop(session, started[0], started[1])
+                await self._open_loop(session, started[0], started[1], window)
 
     async def _open_loop(
-        self, session: aiohttp.ClientSession, url: str, meter: ResourceMeter
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        meter: ResourceMeter,
+        window_ms: float = DEFAULT_WINDOW_MS,
     ) -> None:
         """The open-loop point(s) after the closed-loop levels (profile/openloop.py)."""
         o = self.options
         generate = self.prepared is not None and self.prepared.task == "generate"
-        predicted = "the capacity the curve predicts"
         if generate:
             found = generation_capacity(self.points, o.max_batch)
             curve, capacity, best = found if found is not None else (None, 0.0, 0.0)
-            predicted = (
-                f"what the simulator answers with the closed-loop curves under arrivals that "
-                f"do not wait; the closed loop's best was {best:.2f}"
-            )
         else:
             curve = closed_loop_curve(self.points)
-            capacity = 0.0 if curve is None else curve_capacity(curve, o.max_batch)
+            capacity, best = (
+                (0.0, 0.0) if curve is None else embeddings_capacity(curve, o.max_batch, window_ms)
+            )
+        predicted = (
+            f"what the simulator answers with the closed-loop curves when arrivals keep "
+            f"coming; the closed loop's best was {best:.2f}"
+        )
         if curve is None or self.prepared is None:
             self.progress.note("open loop: skipped, the closed loop measured no batch")
             return
