@@ -9,13 +9,12 @@ run file and replayed, with the same config, through the simulator.
 
 For each load (a fraction of the capacity the through-gateway profile predicts: 0.5, 0.8,
 1.2; the capacity is what the simulator serves with that profile past capacity,
-``saturated_per_s``, below the profile's best rate: the closed loop's lockstep for
+``capacity_per_s``, below the profile's best rate: the closed loop's lockstep for
 generation, the cheapest batch size back to back for embeddings) and each policy (fifo,
-priority), one
-open-loop schedule is sent to ``tidegate serve`` on 127.0.0.1 with one ``minilm`` replica
-(``--engine transformers``, the real model; ``--engine simulated`` replays
-``--engine-profile``, to develop this benchmark), default queue and batching (max batch 32,
-window 5 ms, 64 slots). Each request is one sentence (16-19 tokens) to ``/v1/embeddings``
+priority), one open-loop schedule is sent to ``tidegate serve`` on 127.0.0.1 with one
+``minilm`` replica (``--engine transformers``, the real model; ``--engine simulated``
+replays ``--engine-profile``, to develop this benchmark), default queue and batching (max
+batch 32, window 5 ms, 64 slots). Each request is one sentence (16-19 tokens) to ``/v1/embeddings``
 with ``X-Priority``; latency runs from its scheduled arrival. Before the load, the idle
 round trip (median of 30 lone requests) is recorded in the run file; the validator subtracts
 what the simulator predicts for one lone request and adds the rest as ``network_s`` (a
@@ -86,7 +85,8 @@ import bench_gateway as bg
 import loadgen as lg
 from summary import write_verdicts
 from tidegate.engines.profile import EngineProfile, load_profile
-from tidegate.sim.saturation import saturated_per_s as saturated_per_s_of
+from tidegate.profile.openloop import curve_capacity
+from tidegate.sim.saturation import saturated_per_s
 from tidegate.sim.service import from_profile, load_service, scaled
 from tidegate.sim.traces import open_trace
 from tidegate.sim.validate import (
@@ -170,9 +170,24 @@ class Repeat:
 
 
 def capacity_per_s(profile: EngineProfile) -> float:
-    """Requests per second the stack answers past capacity, as the simulator serves it with
-    ``profile`` (``saturated_per_s``)."""
-    return saturated_per_s(profile)
+    """What the simulator serves with ``profile`` under an open loop it cannot keep up with
+    (``tidegate.sim.saturation``): Poisson arrivals at twice the profile's best rate, one
+    replica batching as the benchmark's stack does.
+
+    The profile's best rate overstates it. For generation the closed loop's lockstep was
+    about 1.4x what the real stack answered under an open loop on 2026-12-03 (1.84 against
+    1.26-1.31 requests/s), so "80%" of it was past capacity; for embeddings an overloaded
+    replica runs batches of MAX_BATCH, not the cheapest size per input (0.78-0.95x)."""
+    best = best_per_s(profile)
+    served = saturated_per_s(
+        from_profile(profile, ""),
+        MAX_BATCH,
+        2 * best,
+        output_tokens=SPEC.output_tokens or 1,
+        prompt_tokens=CHAT_PROMPT_TOKENS if SPEC.task == "generate" else PROMPT_TOKENS,
+        batch_window_ms=None if SPEC.task == "generate" else WINDOW_MS,
+    )
+    return served or best
 
 
 def best_per_s(profile: EngineProfile) -> float:
@@ -180,9 +195,8 @@ def best_per_s(profile: EngineProfile) -> float:
     (generation) the closed loop's lockstep."""
     if SPEC.task == "generate":
         return closed_loop_per_s(profile)
-    curve = profile.batch_latency_ms
-    assert curve is not None
-    return float(max(n / (curve(n) / 1e3) for n in range(1, MAX_BATCH + 1) if curve(n) > 0))
+    assert profile.batch_latency_ms is not None
+    return curve_capacity(profile.batch_latency_ms, MAX_BATCH)
 
 
 def closed_loop_per_s(profile: EngineProfile) -> float:
@@ -194,27 +208,6 @@ def closed_loop_per_s(profile: EngineProfile) -> float:
     out = SPEC.output_tokens
     cycles_s = {c: (ttft(c) + (out - 1) * itl(c)) / 1e3 for c in range(1, MAX_BATCH + 1)}
     return float(max(c / cycle for c, cycle in cycles_s.items() if cycle > 0))
-
-
-def saturated_per_s(profile: EngineProfile) -> float:
-    """What the simulator serves with ``profile`` under an open loop it cannot keep up with
-    (``tidegate.sim.saturation``): Poisson arrivals at twice the profile's best rate, one
-    replica batching as the benchmark's stack does.
-
-    The profile's best rate overstates it. For generation the closed loop's lockstep was
-    about 1.4x what the real stack answered under an open loop on 2026-12-03 (1.84 against
-    1.26-1.31 requests/s), so "80%" of it was past capacity; for embeddings an overloaded
-    replica runs batches of MAX_BATCH, not the cheapest size per input (0.78-0.95x)."""
-    best = best_per_s(profile)
-    served = saturated_per_s_of(
-        from_profile(profile, ""),
-        MAX_BATCH,
-        2 * best,
-        output_tokens=SPEC.output_tokens or 1,
-        prompt_tokens=CHAT_PROMPT_TOKENS if SPEC.task == "generate" else PROMPT_TOKENS,
-        batch_window_ms=None if SPEC.task == "generate" else WINDOW_MS,
-    )
-    return served or best
 
 
 def arrivals_for(trace: Path, rate_per_s: float, duration_s: float, seed: int) -> list[Arrival]:

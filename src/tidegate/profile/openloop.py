@@ -38,16 +38,14 @@ latency, by running sequences) are scaled by it the same way.
 
 The capacity the rate is a fraction of is what one replica answers when arrivals keep coming
 (``tidegate.sim.saturation``: the simulator, fed the closed-loop curves, offered twice the
-closed loop's best rate). For embeddings it is at most the curve's best rate: past capacity a
-replica takes batches of max batch, not the size cheapest per input (on the 2-CPU machine a
-batch of 32 cost 2.1-2.5x a batch of 16: 78-95% of the best rate). For generation it is well
-below the closed loop's best throughput: its sequences joined an idle engine
-together and shared one prefill, where arrivals that do not wait join a decoding batch a few
-at a time and each pays its own (sim/service.py). It is what the simulator answers with the
-closed-loop curves under Poisson arrivals at twice that rate (``generation_capacity``,
-``tidegate.sim.saturation``): on the 2-CPU machine the closed loop's best was about 1.4x what
-the real stack answered in an open loop, so a point aimed at 85% of it was past capacity and
-had to be measured twice.
+closed loop's best rate; ``embeddings_capacity``, ``generation_capacity``). For embeddings
+it is at most the curve's best rate: past capacity a replica takes batches of max batch, not
+the size cheapest per input (on the 2-CPU machine a batch of 32 cost 2.1-2.5x a batch of 16:
+78-95% of the best rate). For generation it is well below the closed loop's best throughput,
+where sequences joined an idle engine together and shared one prefill; arrivals that do not
+wait join a decoding batch a few at a time and each pays its own (sim/service.py). On the
+2-CPU machine the closed loop's best was about 1.4x what the real stack answered in an open
+loop, so a point aimed at 85% of it was past capacity and had to be measured twice.
 """
 
 from __future__ import annotations
@@ -71,7 +69,7 @@ from tidegate.profile.resources import ResourceMeter, usage_between
 from tidegate.sim.saturation import saturated_per_s
 from tidegate.sim.service import ConcurrencySteps, CurveBatch, ServiceModel
 
-DEFAULT_FRACTION = 0.85  # of the closed-loop capacity
+DEFAULT_FRACTION = 0.85  # of the open-loop capacity (module docstring)
 KEPT_UP = 0.95  # completed / offered at or above this: the stack kept up
 WARMUP_S = 3.0  # arrivals before the measured span, at least: the queue settles
 WARMUP_LIFETIMES = 2.0  # ... and this many of the closed loop's longest p50 latency

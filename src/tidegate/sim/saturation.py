@@ -3,13 +3,13 @@
 Design note. A closed loop (the profiler's clients, each sending its next request when its
 last is answered) measures a stack that is never offered more than it finishes, and its
 best rate is not what the stack answers when arrivals keep coming. For generation the gap is
-wide. The closed loop's clients
-join an idle engine together and their equal answers end together, so their prompts share
-one prefill; arrivals that do not wait for each other join a batch that is decoding, a few
-at a time, and each pays its prefill alone (sim/service.py, ``ConcurrencySteps``). A full
-engine then refills slower than the lockstep: on 2026-12-03 the closed loop's best rate,
-``c / (ttft(c) + (out - 1) * itl(c))``, overstated what the real smollm2 stack answered
-under Poisson arrivals by about 40% (1.84 against 1.26-1.31 requests/s).
+wide. The closed loop's clients join an idle engine together and their equal answers end
+together, so their prompts share one prefill; arrivals that do not wait for each other join
+a batch that is decoding, a few at a time, and each pays its prefill alone (sim/service.py,
+``ConcurrencySteps``). A full engine then refills slower than the lockstep: on 2026-12-03
+the closed loop's best rate, ``c / (ttft(c) + (out - 1) * itl(c))``, overstated what the
+real smollm2 stack answered under Poisson arrivals by about 40% (1.84 against 1.26-1.31
+requests/s).
 
 Embeddings have a milder form of the same gap. The best rate of a batch curve is at the
 size where a batch costs least per input, but a replica past capacity takes whatever is
@@ -20,8 +20,8 @@ So the capacity of a replica is measured the way the stack is run: the simulator
 (the gateway's and the worker's own policy code) is offered Poisson arrivals well past what
 the replica can serve, and the completions per second are counted over the middle of the
 run (the first fifth fills the engine, the last fifth is the queue running dry). The
-profiler aims generation's open-loop point at a fraction of this figure;
-``bench_sim_fidelity`` sets its loads by it.
+profiler aims its open-loop point at a fraction of this figure; ``bench_sim_fidelity`` sets
+its loads by it.
 """
 
 from __future__ import annotations
