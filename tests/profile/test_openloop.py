@@ -26,10 +26,11 @@ from tidegate.profile.openloop import (
     embeddings_capacity,
     generation_capacity,
     spans_s,
+    sustained_rps,
 )
 from tidegate.profile.options import ProfileOptions
 from tidegate.profile.outputs import write_outputs
-from tidegate.profile.recommend import recommend
+from tidegate.profile.recommend import QUEUE_DRAIN_S, recommend
 
 CURVE = Curve((1.0, 2.0, 4.0, 8.0, 16.0), (15.0, 19.0, 24.0, 36.0, 70.0))
 
@@ -319,3 +320,29 @@ def test_past_capacity_an_embeddings_replica_runs_batches_of_max_batch() -> None
     linear = Curve((1.0, 32.0), (10.0, 100.0))  # cheapest at 32: the two agree
     capacity, best = embeddings_capacity(linear, 32, 5.0)
     assert capacity == pytest.approx(best, rel=0.03)
+
+
+def test_a_replica_sustains_the_closed_loop_capacity_over_the_calibrating_factor() -> None:
+    # The first try's capacity is the simulator's on the closed-loop curves; a second try
+    # was aimed lower, and its factor (26 / 24) is the one that calibrates the curve.
+    first = open_point(completed_rps=50.0, capacity_rps=120.0)
+    second = open_point(batch_latency_ms=26.0, capacity_rps=60.0)
+    assert sustained_rps([first, second]) == pytest.approx(120.0 * 24.0 / 26.0)
+    assert sustained_rps([first]) == pytest.approx(120.0 / 1.25)
+    assert sustained_rps([open_point()]) is None  # no capacity recorded
+    assert sustained_rps([open_point(batch_latency_ms=None, capacity_rps=120.0)]) is None
+    assert sustained_rps([]) is None
+
+
+def test_the_queue_is_sized_at_what_a_replica_sustains_where_that_is_lower() -> None:
+    # The knee's closed loop gave 215 requests/s (test_outputs); an open loop that sustained
+    # 150 sizes the queue and the holdback at 150, and says so.
+    rec = recommend(EMBEDDINGS_POINTS, SLO, "embeddings", local=True, sustained_rps=150.0)
+    settings = {s.key: s for s in rec.settings}
+    assert settings["queue.max_size"].value == 150 * QUEUE_DRAIN_S
+    assert "what one replica sustains when arrivals keep coming" in settings["queue.max_size"].why
+    assert "the knee's closed loop gave 215" in settings["queue.max_size"].why
+    assert settings["queue.holdback"].why.endswith("at 150 req/s")
+    # A replica that sustains more than the knee measured: the knee's rate, as before.
+    higher = recommend(EMBEDDINGS_POINTS, SLO, "embeddings", local=True, sustained_rps=400.0)
+    assert {s.key: s.value for s in higher.settings}["queue.max_size"] == 215 * QUEUE_DRAIN_S

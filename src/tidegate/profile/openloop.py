@@ -369,6 +369,20 @@ def chosen(tries: Sequence[OpenLoopPoint]) -> OpenLoopPoint | None:
     return next((t for t in reversed(tries) if t.factor is not None), None)
 
 
+def sustained_rps(tries: Sequence[OpenLoopPoint]) -> float | None:
+    """What one replica sustains when arrivals keep coming, per the calibrated curves: the
+    simulator's capacity of the closed-loop curves (the first try's ``capacity_rps``) over the
+    chosen try's factor. Past capacity a replica runs batches of max batch (max_num_seqs),
+    above the mean batch the factor was measured at, where the calibrated curve is the closed
+    loop's times the factor, so its capacity is the closed loop's divided by it. None without
+    an open-loop point."""
+    point = chosen(tries)
+    first = tries[0].capacity_rps if tries else None
+    if point is None or point.factor is None or not first or point.factor <= 0:
+        return None
+    return first / point.factor
+
+
 def point_line(point: OpenLoopPoint) -> str:
     factor = point.factor
     parts = [

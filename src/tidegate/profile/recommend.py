@@ -12,9 +12,13 @@ A run cut short may have stopped that sweep below what an earlier one measured; 
 operating point is the best of the sweeps' knees (``pick_final``), so that the text never
 calls a point the best while the tables show a better one. Every reason names its sweep.
 
-The queue is sized in seconds of work at the knee's throughput: a full queue
+The queue is sized in seconds of work at what one replica serves: a full queue
 (``queue.max_size``) drains in ``QUEUE_DRAIN_S`` at one replica, and the graded holdback
-keeps the default fractions (low above 70%, medium above 90%), stated in seconds too.
+keeps the default fractions (low above 70%, medium above 90%), stated in seconds too. That
+rate is the knee's throughput, or, with ``--through-gateway``'s open-loop point, what a
+replica sustains when arrivals keep coming (``openloop.sustained_rps``) where that is lower:
+the closed loop overstates it for generation, where its sequences join an idle engine
+together and share one prefill (1.25-1.4x on the 2-CPU machine of docs/benchmarks.md).
 ``memory_mb`` is the peak of the chosen worker configuration; ``autoscaling.max_replicas``
 is not measured and is written as 1, to be raised. Every setting carries the sentence that
 says which measurement chose it.
@@ -130,8 +134,10 @@ def recommend(
     task: str,
     local: bool,
     stopped: str | None = None,
+    sustained_rps: float | None = None,
 ) -> Recommendation:
-    """``stopped``: why the run ended early (None: complete)."""
+    """``stopped``: why the run ended early (None: complete); ``sustained_rps``: what one
+    replica sustains under open-loop arrivals, where measured (module docstring)."""
     knees = tuple(k for k in (sweep_knee(points, s, slo, task) for s in SIZE_OF) if k is not None)
     by_sweep = {k.sweep: k for k in knees}
     final = pick_final(knees, task, cut_short=stopped is not None)
@@ -149,7 +155,7 @@ def recommend(
         tokens_per_s=op.tokens_per_s,
     )
     memory = _memory_mb(points, op.batch_size)
-    settings = _batching(by_sweep, task, local) + _flow(final, task)
+    settings = _batching(by_sweep, task, local) + _flow(final, task, sustained_rps)
     if local:  # an openai model's servers are started and scaled outside tidegate
         settings += _replica(final, task, memory)
     summary = _summary(final, points, by_sweep, slo, task, stopped)
@@ -190,23 +196,26 @@ def _batching(by_sweep: dict[str, SweepKnee], task: str, local: bool) -> list[Se
     return settings
 
 
-def _flow(final: SweepKnee, task: str) -> list[Setting]:
+def _flow(final: SweepKnee, task: str, sustained_rps: float | None) -> list[Setting]:
     op = final.point
-    rps = max(op.throughput_rps, 1e-9)
-    max_size = max(1, math.ceil(op.throughput_rps * QUEUE_DRAIN_S))
+    rps, basis = op.throughput_rps, f"the knee's {op.throughput_rps:.4g} req/s per replica"
+    if sustained_rps is not None and 0 < sustained_rps < rps:
+        rps = sustained_rps
+        basis = (
+            f"{rps:.4g} req/s per replica, what one replica sustains when arrivals keep coming "
+            f"(the open-loop point; the knee's closed loop gave {op.throughput_rps:.4g})"
+        )
+    rps = max(rps, 1e-9)
+    max_size = max(1, math.ceil(rps * QUEUE_DRAIN_S))
     seconds = {level: fraction * max_size / rps for level, fraction in HOLDBACK.items()}
     return [
         Setting("slots", op.concurrency, f"requests in flight at the knee: {_measured(op, task)}"),
-        Setting(
-            "queue.max_size",
-            max_size,
-            f"{QUEUE_DRAIN_S:g} s of work at the knee's {op.throughput_rps:.4g} req/s per replica",
-        ),
+        Setting("queue.max_size", max_size, f"{QUEUE_DRAIN_S:g} s of work at {basis}"),
         Setting(
             "queue.holdback",
             dict(HOLDBACK),
             "; ".join(f"{lvl} refused above {s:.3g} s of queued work" for lvl, s in seconds.items())
-            + f" at {op.throughput_rps:.4g} req/s",
+            + f" at {rps:.4g} req/s",
         ),
     ]
 

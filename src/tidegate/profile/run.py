@@ -29,6 +29,7 @@ from rich.progress import (
 from tidegate.engines.profile import MeasuredPoint
 from tidegate.errors import ConfigError, ReplicaFailed
 from tidegate.profile.loadgen import client_session
+from tidegate.profile.openloop import sustained_rps
 from tidegate.profile.options import ProfileOptions
 from tidegate.profile.outputs import write_outputs
 from tidegate.profile.recommend import recommend
@@ -183,7 +184,14 @@ def _write(
             else {}
         ),
     )
-    rec = recommend(planner.points, options.slo, task, options.local, record.stopped)
+    rec = recommend(
+        planner.points,
+        options.slo,
+        task,
+        options.local,
+        record.stopped,
+        sustained_rps(record.open_loop),
+    )
     paths = write_outputs(options.out, record, planner.points, rec)
     console.print(rec.summary, highlight=False)
     console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
