@@ -29,7 +29,10 @@ Targets (issue 15): p50 and p95 of every class within 15% of the real stack in >
 the figures; throughput (completed/s) within 5%; the same policy ranking (high-priority
 p95, priority against fifo) at every load; the outcome counts (completed, 429, 504) within
 10% (a count under 1% of the class is compared as a share of the class). Every figure is
-printed, passing or not.
+printed, passing or not. Where the real stack's two policies differ by less than its own
+run differed from its repeat (the noise floor below), the real stack has no ranking at that
+load to match: the line says so and passes (below capacity no queue forms, and the two
+policies serve alike).
 
 The profile is measured again before each load (minilm; ``--no-profile-every-load`` for
 once): on a machine shared with other work the engine's speed drifts by 3x within minutes
@@ -97,6 +100,7 @@ from tidegate.sim.validate import (
     Tolerances,
     compare,
     measured_side,
+    relative,
     validate,
     validation_data,
     write_run,
@@ -886,11 +890,21 @@ def token_diagnostics(outcomes: list[RunOutcome]) -> str:
     return "\n".join(lines)
 
 
-def rankings(outcomes: list[RunOutcome]) -> list[str]:
+def rankings(outcomes: list[RunOutcome], repeats: list[Repeat] | None = None) -> list[str]:
+    """Priority against fifo by the high class's p95, on the server and in the simulator, per
+    load. Where they disagree and the server's two policies are closer than its own run and
+    its repeat (``repeats``), the server shows no ranking there (the module docstring)."""
+    ranked = "ttft" if SPEC.task == "generate" else "e2e"
+    name = f"{ranked} p95 ms"
+    spread = {
+        r.load: abs(f.error)
+        for r in repeats or []
+        for f in r.again
+        if f.cls == "high" and f.name == name and math.isfinite(f.error)
+    }
     lines = []
     for load in sorted({o.load for o in outcomes}):
-        ranked = "ttft" if SPEC.task == "generate" else "e2e"
-        high = {o.policy: figure(o, "high", f"{ranked} p95 ms") for o in outcomes if o.load == load}
+        high = {o.policy: figure(o, "high", name) for o in outcomes if o.load == load}
         if not {"fifo", "priority"} <= set(high):
             continue
         fifo, prio = high["fifo"], high["priority"]
@@ -898,18 +912,25 @@ def rankings(outcomes: list[RunOutcome]) -> list[str]:
             continue
         real = prio.measured < fifo.measured
         sim = prio.simulated < fifo.simulated
-        lines.append(
-            f"{'PASS' if real == sim else 'MISS'} ranking at {load:.0%}: high {ranked} p95 "
-            "priority "
-            f"{'<' if real else '>='} fifo on the server "
+        both = (
+            f"high {ranked} p95 priority {'<' if real else '>='} fifo on the server "
             f"({lg.ms(prio.measured)} vs {lg.ms(fifo.measured)} ms), "
             f"{'<' if sim else '>='} in the simulator "
             f"({lg.ms(prio.simulated)} vs {lg.ms(fifo.simulated)} ms)"
         )
+        apart = abs(relative(prio.measured, fifo.measured))
+        own = spread.get(load)
+        if real != sim and own is not None and apart <= own:
+            lines.append(
+                f"PASS ranking at {load:.0%}: no ranking on the server to match, its policies "
+                f"{apart:.1%} apart, less than its repeat moved ({own:.1%}): {both}"
+            )
+            continue
+        lines.append(f"{'PASS' if real == sim else 'MISS'} ranking at {load:.0%}: {both}")
     return lines
 
 
-def verdicts(outcomes: list[RunOutcome]) -> list[str]:
+def verdicts(outcomes: list[RunOutcome], repeats: list[Repeat] | None = None) -> list[str]:
     figures = [f for o in outcomes for f in o.figures]
     percentiles = [f for f in figures if f.kind == "percentile" and f.judged]
     within = sum(f.ok for f in percentiles)
@@ -934,7 +955,7 @@ def verdicts(outcomes: list[RunOutcome]) -> list[str]:
         line("throughput", throughput, TOLERANCES.throughput),
         line("outcome counts 429/504", counts, TOLERANCES.count),
         line("completed counts", completed, TOLERANCES.count),
-        *rankings(outcomes),
+        *rankings(outcomes, repeats),
     ]
 
 
@@ -1048,7 +1069,7 @@ def main() -> int:
     write_verdicts(
         args.verdict,
         "bench_sim_fidelity",
-        verdicts(outcomes) if outcomes else [],
+        verdicts(outcomes, repeats) if outcomes else [],
         [failure] if failure else [],
     )
     if not outcomes:
@@ -1071,7 +1092,7 @@ def main() -> int:
         print()
         print("\n".join(noise_floor(repeats)))
     print("```")
-    for line in verdicts(outcomes):
+    for line in verdicts(outcomes, repeats):
         print(line)
     print("```")
     print(f"total run time: {time.monotonic() - started:.0f} s")
@@ -1086,7 +1107,7 @@ def main() -> int:
                     "profile": str(args.profile),
                     "capacity_per_s": capacity,
                     "runs": [{"load": o.load, "policy": o.policy, **o.notes} for o in outcomes],
-                    "verdicts": verdicts(outcomes),
+                    "verdicts": verdicts(outcomes, repeats),
                     "repeats": [
                         {
                             "load": r.load,
