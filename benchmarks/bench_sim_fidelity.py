@@ -308,6 +308,14 @@ def show_profile(path: Path) -> float:
                 f"closed-loop: factor {attempt['factor']}, kept up {attempt['kept_up']}",
                 flush=True,
             )
+    drift = measured.get("drift")
+    if drift:  # profile/drift.py: the top level before the sweep and in it
+        print(
+            f"    drift check at {drift['concurrency']} in flight: {drift['figure']} "
+            f"{drift['first_ms']} then {drift['last_ms']} ms (x{drift['ratio']}"
+            f"{', MOVED' if drift['moved'] else ''})",
+            flush=True,
+        )
     return capacity
 
 

@@ -122,6 +122,14 @@ def test_through_the_gateway_the_open_loop_token_gaps_scale_both_curves(tmp_path
     assert profile.ttft_ms == calibrated_curve(ttft, at, factor)
     assert profile.itl_ms == calibrated_curve(itl, at, factor)
     assert "open-loop factor" in profile.raw["measured"]["curve_source"]
+    drift = profile.raw["measured"]["drift"]  # max concurrency 4 before the sweep and in it
+    top = profile.points[-1]
+    if top.concurrency == 4:  # the sweep may stop climbing below it: then no check
+        assert (drift["concurrency"], drift["figure"]) == (4, "mean time between tokens")
+        assert drift["last_ms"] == pytest.approx(top.itl_mean_ms, rel=1e-3)
+        assert drift["first_ms"] >= 0.9 * 30.0  # the known curve's least gap
+    else:
+        assert drift is None
 
 
 def test_ctrl_c_writes_what_was_measured_and_stops_its_workers(tmp_path: Path) -> None:

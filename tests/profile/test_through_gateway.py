@@ -156,6 +156,17 @@ def test_through_the_gateway_recovers_the_engine_curve_and_cleans_up(tmp_path: P
     eight = profile.points[-1]
     assert eight.mean_batch_size is not None
     assert eight.mean_batch_size > 3.0  # 8 in flight, 8 slots: batches leave nearly full
+    # The drift check: the top level once more before the sweep (not one of its points),
+    # against the sweep's own; the engine sleeps a known curve, so both are of that curve.
+    drift = profile.raw["measured"]["drift"]
+    assert drift["concurrency"] == 8
+    assert drift["figure"] == "engine time per batch"
+    assert drift["last_ms"] == pytest.approx(eight.batch_latency_ms, rel=1e-3)
+    assert drift["first_ms"] >= KNOWN_BATCH_MS[1] * 0.9
+    assert drift["ratio"] == pytest.approx(drift["last_ms"] / drift["first_ms"], rel=1e-2)
+    assert "(drift check, before the sweep)" in result.stderr
+    assert "drift check: 8 in flight, measured before the sweep" in result.stderr
+    assert "Drift check: 8 in flight" in (out / "report.md").read_text()
     # The open-loop point: Poisson arrivals at 85% of the capacity the closed-loop curve
     # predicts when arrivals keep coming, in the same stack; the curve written is the
     # closed-loop one times its factor.

@@ -125,6 +125,7 @@ def measured_record(record: RunRecord, curve_source: str) -> dict[str, Any]:
         "curve_source": curve_source,
         "calibration": record.calibration,
         "open_loop": _open_loop_record(record),
+        "drift": None if record.drift is None else record.drift.describe(),
         "rules": {
             "stable": "last 3 windows agree within 10% on throughput and p95",
             "min_seconds_per_point": o.min_seconds_per_point,

@@ -13,6 +13,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from tidegate.profile.drift import Drift
 from tidegate.profile.openloop import OpenLoopPoint
 from tidegate.profile.options import ProfileOptions
 from tidegate.profile.recommend import available_cores
@@ -33,6 +34,7 @@ class RunRecord:
     weights_mb: float | None = None
     calibration: dict[str, float] = field(default_factory=dict)
     open_loop: tuple[OpenLoopPoint, ...] = ()  # --through-gateway's open-loop tries
+    drift: Drift | None = None  # --through-gateway's drift check (profile/drift.py)
 
 
 def host_facts() -> dict[str, Any]:

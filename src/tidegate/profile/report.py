@@ -52,7 +52,7 @@ def report_markdown(
             if sweep in record.climb_stops:
                 lines += [f"Stopped climbing: {record.climb_stops[sweep]}.", ""]
     lines += _open_loop(record, points)
-    lines += _notes(points)
+    lines += _notes(points, record)
     if png:
         lines += ["![latency, throughput and memory curves](report.png)", ""]
     return "\n".join(lines)
@@ -236,8 +236,10 @@ def _closed_loop_best(points: Sequence[MeasuredPoint], max_batch: int, generate:
     return 0.0 if curve is None else curve_capacity(curve, max_batch)
 
 
-def _notes(points: Sequence[MeasuredPoint]) -> list[str]:
+def _notes(points: Sequence[MeasuredPoint], record: RunRecord) -> list[str]:
     notes = []
+    if record.drift is not None:
+        notes.append(f"- Drift check: {record.drift.sentence()}")
     unstable = [p for p in points if not p.stable]
     if unstable:
         labels = "; ".join(

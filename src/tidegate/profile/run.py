@@ -175,6 +175,7 @@ def _write(
         climb_stops=dict(planner.climb_stops),
         weights_mb=planner.weights_mb,
         open_loop=tuple(planner.open_loop),
+        drift=planner.drift,
         calibration=(
             {
                 "overhead_tokens": round(prepared.sizer.overhead_tokens, 2),

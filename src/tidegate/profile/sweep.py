@@ -38,6 +38,7 @@ import aiohttp
 from tidegate.core.capacity import StopClimbing, decide_climb
 from tidegate.engines.profile import MeasuredPoint, load_profile
 from tidegate.errors import ConfigError
+from tidegate.profile.drift import Drift, drift_between
 from tidegate.profile.gateway import (
     LocalStack,
     base_config,
@@ -108,6 +109,8 @@ class Planner:
     prepared: Prepared | None = None
     weights_mb: float | None = None
     open_loop: list[OpenLoopPoint] = field(default_factory=list)  # --through-gateway tries
+    reference: MeasuredPoint | None = None  # --through-gateway: the top level, before (drift)
+    drift: Drift | None = None  # the reference against the sweep's own point (profile/drift)
     _left: dict[str, int] = field(default_factory=dict)  # points still planned per sweep
 
     async def run(self, session: aiohttp.ClientSession) -> None:
@@ -191,7 +194,10 @@ class Planner:
             async with self._stack(session, base, task, o.max_batch) as started:
                 if started is not None:
                     url, meter = started
+                    top = PointSpec("concurrency", levels[-1], o.max_batch, None)
+                    await self._measure(session, url, meter, top, reference=True)
                     await self._concurrency_sweep(session, url, meter, (o.max_batch, None), levels)
+                    self._check_drift()
                     if o.open_loop_fraction() > 0:
                         await self._open_loop(session, url, meter)
             return
@@ -204,11 +210,14 @@ class Planner:
         async with self._stack(session, base, task, o.max_batch) as started:
             if started is None:
                 return
+            top = PointSpec("concurrency", levels[-1], o.max_batch, window)
+            await self._measure(session, started[0], started[1], top, reference=True)
             for level in levels:
                 if self.stop.is_set():
                     return
                 spec = PointSpec("concurrency", level, o.max_batch, window)
                 await self._measure(session, started[0], started[1], spec)
+            self._check_drift()
             if o.open_loop_fraction() > 0:
                 await self._open_loop(session, started[0], started[1], window)
 
@@ -333,12 +342,22 @@ class Planner:
                     return
 
     async def _measure(
-        self, session: aiohttp.ClientSession, url: str, meter: ResourceMeter, spec: PointSpec
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        meter: ResourceMeter,
+        spec: PointSpec,
+        reference: bool = False,
     ) -> None:
+        """One point of the sweep; ``reference``: the drift check's first measurement of the
+        top level (profile/drift.py), kept apart from the sweep's points."""
         if self.stop.is_set():
             return
         prepared = self.prepared or await self._prepare(session, url)
-        self.progress.begin(spec.label())
+        if reference:
+            self._expect("drift", 1)
+        label = spec.label()
+        self.progress.begin(f"{label} (drift check, before the sweep)" if reference else label)
         run = PointRun(
             session,
             url,
@@ -350,11 +369,22 @@ class Planner:
             self.progress.window,
         )
         point = await measure_point(run, spec)
-        if point is not None:
+        if reference:
+            self.reference = point
+            self._left["drift"] = 0
+        elif point is not None:
             self.points.append(point)
-        self._left[spec.sweep] = max(0, self._left.get(spec.sweep, 1) - 1)
+            self._left[spec.sweep] = max(0, self._left.get(spec.sweep, 1) - 1)
+        else:
+            self._left[spec.sweep] = max(0, self._left.get(spec.sweep, 1) - 1)
         self.progress.done(point)
         self._update_plan()
+
+    def _check_drift(self) -> None:
+        """The drift check's verdict, once the sweep has measured the top level again."""
+        self.drift = drift_between(self.reference, self.points)
+        if self.drift is not None:
+            self.progress.note(f"drift check: {self.drift.sentence()}")
 
     def _stops_climbing(self, sweep: str, rest: Sequence[int]) -> bool:
         assert self.prepared is not None
@@ -380,7 +410,8 @@ class Planner:
         self._update_plan()
 
     def _update_plan(self) -> None:
-        self.progress.planned(len(self.points) + sum(self._left.values()))
+        done = len(self.points) + (self.reference is not None)
+        self.progress.planned(done + sum(self._left.values()))
 
     @contextlib.asynccontextmanager
     async def _worker(
