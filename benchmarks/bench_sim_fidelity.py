@@ -308,6 +308,11 @@ def show_profile(path: Path) -> float:
                 f"closed-loop: factor {attempt['factor']}, kept up {attempt['kept_up']}",
                 flush=True,
             )
+    if profile.ttft_ms is not None and profile.itl_ms is not None:  # sim/service.py
+        proxy = profile.ttft_ms(1) - profile.itl_ms(1)
+        print(
+            f"    a join into a decoding batch costs {proxy:.1f} ms (ttft(1) - itl(1))", flush=True
+        )
     drift = measured.get("drift")
     if drift:  # profile/drift.py: the top level before the sweep and in it
         print(
