@@ -372,10 +372,9 @@ class Planner:
         if reference:
             self.reference = point
             self._left["drift"] = 0
-        elif point is not None:
-            self.points.append(point)
-            self._left[spec.sweep] = max(0, self._left.get(spec.sweep, 1) - 1)
         else:
+            if point is not None:
+                self.points.append(point)
             self._left[spec.sweep] = max(0, self._left.get(spec.sweep, 1) - 1)
         self.progress.done(point)
         self._update_plan()
