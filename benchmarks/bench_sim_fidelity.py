@@ -310,9 +310,12 @@ def show_profile(path: Path) -> float:
             )
     if profile.ttft_ms is not None and profile.itl_ms is not None:  # sim/service.py
         proxy = profile.ttft_ms(1) - profile.itl_ms(1)
-        print(
-            f"    a join into a decoding batch costs {proxy:.1f} ms (ttft(1) - itl(1))", flush=True
+        price = (
+            f"{proxy:.1f} ms (ttft(1) - itl(1): no join measured)"
+            if profile.join_ms is None
+            else f"{profile.join_ms:.1f} ms (the engine's steps; ttft(1) - itl(1): {proxy:.1f})"
         )
+        print(f"    a join into a decoding batch costs {price}", flush=True)
     drift = measured.get("drift")
     if drift:  # profile/drift.py: the top level before the sweep and in it
         print(

@@ -20,6 +20,7 @@ from tidegate.engines.generation import (
     TransformersGenerator,
     cache_sizing,
 )
+from tidegate.engines.steps import StepTotals, join_cost_ms, table_between
 from tidegate.engines.tiny_llama import MARKER, ensure_tiny_llama, tiny_llama_dir
 from tidegate.errors import InvalidRequest, PromptTooLong, ReplicaFailed
 
@@ -254,6 +255,62 @@ async def test_concurrent_sequences_each_get_their_own_length(
     for shorter, longer in itertools.pairwise(texts):
         assert longer.startswith(shorter)
     assert engine.num_running == 0
+
+
+@pytest.mark.asyncio
+async def test_the_engine_times_its_steps_by_kind_and_sequences_running(
+    engine: TransformersGenerator,
+) -> None:
+    """A chat that starts alone, then a second that joins while the first decodes: the
+    engine's step table has the start, the join and the decode steps in between."""
+    before = engine.steps.table()
+    greedy = SamplingParams(max_tokens=200, temperature=GREEDY)
+    first = engine.generate("steps-a", engine.encode("hello tidegate"), greedy)
+    first_event = await anext(first)  # it decodes from here until closed
+    joined = await run(engine, "steps-b", "a second prompt", SamplingParams(4, GREEDY))
+    await first.aclose()
+    window = table_between(before, engine.steps.table())
+    assert first_event.num_tokens >= 1
+    assert joined[-1].num_tokens == 4
+    start = window[("start", 1)]  # the first chat, alone on an idle engine
+    assert (start.num_steps, start.num_joins) == (1, 1)
+    join = window[("join", 2)]  # the second, joining the first as it decodes
+    assert join.num_joins == 1
+    assert join.seconds > 0
+    decode = window[("decode", 2)]  # both decoding: the second's other 3 tokens at least
+    assert decode.num_steps >= 3
+    assert decode.num_joins == 0
+    cost = join_cost_ms(window)
+    assert cost is not None
+    assert cost.num_joins == 1
+    assert cost.decode_ms == pytest.approx(1e3 * decode.seconds / decode.num_steps)
+
+
+def test_a_join_is_priced_against_decode_steps_of_as_many_sequences() -> None:
+    window = {
+        ("decode", 4): StepTotals(10, 1.0, 0),  # 100 ms a step
+        ("decode", 8): StepTotals(4, 0.8, 0),  # 200 ms a step
+        ("join", 4): StepTotals(2, 0.5, 2),  # 250 ms each: 150 ms a joiner
+        ("join", 8): StepTotals(1, 0.5, 3),  # 500 ms: 300 over three joiners
+        ("join", 6): StepTotals(5, 9.0, 5),  # no decode step of 6 ran: left out
+        ("start", 4): StepTotals(1, 2.0, 4),  # an idle engine's prompts: not a join
+    }
+    cost = join_cost_ms(window)
+    assert cost is not None
+    assert cost.num_joins == 5
+    assert cost.join_ms == pytest.approx((2 * 150 + 300) / 5)
+    assert cost.decode_ms == pytest.approx((2 * 100 + 200) / 3)
+    assert join_cost_ms({("decode", 4): StepTotals(3, 0.3, 0)}) is None
+
+
+def test_a_window_counts_cells_new_since_its_start() -> None:
+    first = {("decode", 2): StepTotals(5, 0.5, 0)}
+    last = {("decode", 2): StepTotals(7, 0.9, 0), ("join", 2): StepTotals(1, 0.2, 1)}
+    assert table_between(first, last) == {
+        ("decode", 2): StepTotals(2, pytest.approx(0.4), 0),
+        ("join", 2): StepTotals(1, 0.2, 1),
+    }
+    assert table_between(last, last) == {}
 
 
 @pytest.mark.asyncio

@@ -62,8 +62,21 @@ def test_default_profiles_exist_for_both_tasks() -> None:
             json.dumps({"version": 1, "task": "generate", "generate": {"points": [{"x": 1}]}}),
             "generate.points[0]",
         ),
+        (
+            json.dumps(
+                {
+                    "version": 1,
+                    "task": "generate",
+                    "generate": {
+                        "points": [{"concurrency": 1, "ttft_ms": 9, "itl_ms": 3}],
+                        "join_ms": -4,
+                    },
+                }
+            ),
+            "generate.join_ms",
+        ),
     ],
-    ids=["not_json", "bad_version", "unknown_task", "no_points", "bad_point"],
+    ids=["not_json", "bad_version", "unknown_task", "no_points", "bad_point", "bad_join"],
 )
 def test_bad_profile_names_file_key_and_fix(tmp_path: Path, content: str, key: str) -> None:
     path = tmp_path / "profile.json"

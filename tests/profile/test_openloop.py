@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tests.profile.test_outputs import EMBEDDINGS_POINTS, GENERATE_POINTS, SLO, point, record
 from tidegate.core.capacity import Slo
-from tidegate.engines.profile import Curve, load_profile
+from tidegate.engines.profile import Curve, EngineProfile, load_profile
 from tidegate.errors import ConfigError
 from tidegate.profile.loadgen import Completion
 from tidegate.profile.openloop import (
@@ -25,12 +25,14 @@ from tidegate.profile.openloop import (
     decoding_gaps,
     embeddings_capacity,
     generation_capacity,
+    measured_join,
     spans_s,
     sustained_rps,
 )
 from tidegate.profile.options import ProfileOptions
 from tidegate.profile.outputs import write_outputs
 from tidegate.profile.recommend import QUEUE_DRAIN_S, recommend
+from tidegate.sim.service import from_profile
 
 CURVE = Curve((1.0, 2.0, 4.0, 8.0, 16.0), (15.0, 19.0, 24.0, 36.0, 70.0))
 
@@ -240,7 +242,8 @@ def test_the_closed_loop_itl_curve_and_capacity_have_every_sequence_running() ->
     assert closed_loop_itl([], 16) is None
 
 
-def test_a_generation_profile_scales_both_curves_by_the_token_factor(tmp_path: Path) -> None:
+def write_generation_profile(tmp_path: Path, *tries: OpenLoopPoint) -> EngineProfile:
+    """A through-gateway generation run with ``tries`` as its open loop, written and read."""
     options = ProfileOptions(
         model="tiny-llama",
         out=tmp_path,
@@ -248,6 +251,13 @@ def test_a_generation_profile_scales_both_curves_by_the_token_factor(tmp_path: P
         slo=Slo(ttft_p95_ms=100, itl_p95_ms=30),
         through_gateway=True,
     )
+    run = dataclasses.replace(record(tmp_path), options=options, task="generate", open_loop=tries)
+    rec = recommend(GENERATE_POINTS, options.slo, "generate", local=True)
+    write_outputs(tmp_path, run, GENERATE_POINTS, rec)
+    return load_profile(tmp_path / "profile.json")
+
+
+def test_a_generation_profile_scales_both_curves_by_the_token_factor(tmp_path: Path) -> None:
     tokens = open_point(
         mean_batch_size=None,
         batch_latency_ms=None,
@@ -257,16 +267,7 @@ def test_a_generation_profile_scales_both_curves_by_the_token_factor(tmp_path: P
     )
     assert tokens.factor == pytest.approx(1.25)
     assert tokens.at_batch == 4.0
-    run = dataclasses.replace(
-        record(tmp_path), options=options, task="generate", open_loop=(tokens,)
-    )
-    write_outputs(
-        tmp_path,
-        run,
-        GENERATE_POINTS,
-        recommend(GENERATE_POINTS, options.slo, "generate", local=True),
-    )
-    profile = load_profile(tmp_path / "profile.json")
+    profile = write_generation_profile(tmp_path, tokens)
     ttft = Curve((1.0, 2.0, 4.0, 16.0), (16.0, 20.0, 24.0, 72.0))  # the closed loop's means
     itl = Curve((1.0, 2.0, 4.0, 16.0), (6.4, 7.2, 8.8, 20.0))
     assert profile.ttft_ms == calibrated_curve(ttft, 4.0, 1.25)
@@ -279,6 +280,26 @@ def test_a_generation_profile_scales_both_curves_by_the_token_factor(tmp_path: P
     assert "each joining prompt pays its own prefill" in report
     assert "The closed loop's best throughput was 100.00 requests/s." in report
     assert "from mean sequences decoding 4.0 up" in report
+
+
+def test_the_profile_keeps_the_join_price_of_the_last_try_with_enough_joins(
+    tmp_path: Path,
+) -> None:
+    tokens = {"mean_batch_size": None, "batch_latency_ms": None, "curve_ms": 8.0}
+    first = open_point(**tokens, mean_running=4.0, itl_mean_ms=10.0, join_ms=41.0, num_joins=60)
+    few = open_point(**tokens, mean_running=5.0, itl_mean_ms=11.0, join_ms=90.0, num_joins=5)
+    assert measured_join([first, few]) is first  # 5 joins are too few to price one
+    assert measured_join([few]) is None
+    profile = write_generation_profile(tmp_path, first, few)
+    assert profile.join_ms == 41.0
+    measured = json.loads((tmp_path / "profile.json").read_text())["measured"]
+    assert "a prompt joining a decoding batch costs 41.0 ms" in measured["curve_source"]
+    assert measured["open_loop"]["tries"][0]["num_joins"] == 60
+    step = from_profile(profile, "profile.json").step
+    assert step is not None
+    assert profile.itl_ms is not None
+    assert step.step_s(3, 1, 50) == pytest.approx(profile.itl_ms(4) / 1e3 + 0.041)
+    assert write_generation_profile(tmp_path, few).join_ms is None
 
 
 def test_generation_capacity_is_the_simulators_open_loop_rate_not_the_lockstep() -> None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
+from tidegate.engines.steps import StepTally, StepTotals
 from tidegate.profile.options import ProfileOptions, powers_of_two
 from tidegate.profile.resources import Counters, Snapshot, parse_counters, usage_between
+from tidegate.worker.step_metrics import StepCollector
 
 WORKER_METRICS = """\
 # HELP tidegate_batch_size Inputs per batch.
@@ -95,3 +98,28 @@ def test_the_concurrency_sweep_is_bounded_by_max_concurrency() -> None:
     options = ProfileOptions(model="m", out=Path("unused"), max_concurrency=16)
     assert options.concurrency_levels(4 * 8) == [1, 2, 4, 8, 16]
     assert options.window_s() == pytest.approx(5.0 / 3)
+
+
+def test_a_generation_worker_s_steps_price_a_join_between_two_snapshots() -> None:
+    """The engine's step table as the worker exports it, read back by the planner."""
+    tally = StepTally()
+    registry = CollectorRegistry()
+    registry.register(StepCollector("chat", tally))
+    tally.add(0, 1, 0.120)  # alone on an idle engine
+    tally.add(1, 0, 0.050)
+    before = parse_counters(generate_latest(registry).decode())
+    for _ in range(4):
+        tally.add(2, 0, 0.060)  # two decoding: 60 ms a step
+    tally.add(1, 1, 0.160)  # one joins the one decoding: 100 ms over a decode step of 2
+    tally.add(0, 2, 0.200)  # an idle engine again: not a join
+    after = parse_counters(generate_latest(registry).decode())
+    assert before is not None
+    assert after is not None
+    assert after.steps[("start", 2)] == StepTotals(1, pytest.approx(0.2), 2)  # type: ignore[arg-type]
+    first = Snapshot(0, 0, None, None, None, before)
+    usage = usage_between(first, Snapshot(1, 0, None, None, None, after))
+    assert usage.join is not None
+    assert usage.join.num_joins == 1
+    assert usage.join.join_ms == pytest.approx(100.0)
+    assert usage.join.decode_ms == pytest.approx(60.0)
+    assert usage_between(first, first).join is None  # nobody joined in between

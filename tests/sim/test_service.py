@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tidegate.engines.profile import default_profile
 from tidegate.errors import ConfigError
-from tidegate.sim.service import default_service, load_service
+from tidegate.sim.service import default_service, from_profile, load_service
 
 from .conftest import FIXTURES, flat_step_service
 
@@ -94,6 +96,16 @@ def test_a_concurrency_profile_makes_joining_steps_cost_the_ttft() -> None:
     assert step.step_s(24, 8, 800) == pytest.approx(0.025 + 8 * (0.020 - 0.010))
     assert step.step_s(0, 8, 800) == pytest.approx(0.030)
     assert flat_step_service(7.0).step is not None
+
+
+def test_a_measured_join_price_replaces_the_lone_prefill() -> None:
+    profile = default_profile("generate")  # ttft/itl: 20/10 ms at 1, 30/14 at 8
+    step = from_profile(replace(profile, join_ms=45.0), "measured").step
+    assert step is not None
+    assert step.step_s(7, 1, 100) == pytest.approx(0.014 + 0.045)  # decode of 8, one join
+    assert step.step_s(5, 3, 300) == pytest.approx(0.014 + 3 * 0.045)
+    assert step.step_s(0, 8, 800) == pytest.approx(0.030)  # an idle engine: as measured
+    assert step.step_s(8, 0, 0) == pytest.approx(0.014)
 
 
 @given(

@@ -9,8 +9,10 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.procs import DEADLINE_S, Proc, worker_process
+from tidegate.engines.steps import parse_step_samples
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +108,23 @@ def test_openai_chat_and_streaming(tiny_llama: Proc) -> None:
     assert finish in {"stop", "length"}
     assert usage is not None
     assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_the_engine_steps_are_on_metrics(tiny_llama: Proc) -> None:
+    with client(tiny_llama) as c:
+        c.completions.create(model="tiny-llama", prompt="Steps", max_tokens=5, temperature=0.0)
+    text = httpx.get(f"{tiny_llama.url}/metrics", timeout=DEADLINE_S).text
+    table = parse_step_samples(
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("model") == "tiny-llama"
+    )
+    # The warm-up, the readiness probe and the request each start alone on an idle engine.
+    assert table[("start", 1)].num_steps >= 1
+    assert table[("start", 1)].num_joins == table[("start", 1)].num_steps
+    assert table[("decode", 1)].num_steps >= 4  # the request's other four tokens at least
+    assert table[("decode", 1)].seconds > 0
 
 
 def test_unknown_model_is_404_for_the_openai_client(minilm: Proc) -> None:

@@ -65,6 +65,7 @@ from tidegate.engines.hf_runtime import (
     quiet_transformers,
 )
 from tidegate.engines.model_folder import local_model_folder
+from tidegate.engines.steps import StepTally, clock_steps
 from tidegate.engines.text import CatchUp, StopScanner
 from tidegate.errors import InvalidRequest, PromptTooLong, ReplicaFailed
 
@@ -218,6 +219,7 @@ class TransformersGenerator:
         self._failure: str | None = None  # set once the engine cannot generate any more
         self._notice = FailureNotice(name)  # the manager died (a failure that is not close())
         self._closed = False
+        self.steps = StepTally()  # every step the manager runs, timed in its thread
 
     # ------------------------------------------------------------------ card
     def _default_context(self) -> int:
@@ -317,6 +319,7 @@ class TransformersGenerator:
         )
         try:
             manager.warmup()  # allocates the cache here, so that a failure fails load()
+            clock_steps(manager, self.steps)  # from the first step served, not the warm-up's
             with torch.inference_mode():  # the manager's thread inherits it
                 manager.start()
         except BaseException:

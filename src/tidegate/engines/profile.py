@@ -7,7 +7,8 @@ describes every key)::
     {"version": 1, "model": "minilm", "task": "embeddings", "engine": "transformers",
      "device": "cpu", "memory_mb": 350, "weights_mb": 87,
      "embeddings": {"points": [{"batch_size": 1, "latency_ms": 6.0}, ...]},
-     "generate": {"points": [{"concurrency": 1, "ttft_ms": 15.0, "itl_ms": 8.0}, ...]},
+     "generate": {"points": [{"concurrency": 1, "ttft_ms": 15.0, "itl_ms": 8.0}, ...],
+                  "join_ms": 40.0},
      "slo": {"p95_ms": 200},
      "workload": {"source": "synthetic", ...},
      "points": [{"sweep": "batch", "batch_size": 8, "concurrency": 16, ...}, ...],
@@ -15,7 +16,8 @@ describes every key)::
 
 Only ``version``, ``task`` and the curve of that task are required: the curves are what the
 simulated engine replays (``latency_ms`` is the mean engine time of one batch of that size;
-``ttft_ms`` / ``itl_ms`` are mean times with that many sequences running). ``points``
+``ttft_ms`` / ``itl_ms`` are mean times with that many sequences running; the optional
+``generate.join_ms`` is what one prompt joining a decoding batch adds to that step). ``points``
 (every configuration the planner measured, with percentiles, memory and CPU), ``knee``,
 ``slo`` and ``workload`` are the planner's record; files written before them still load.
 Latency between measured points is interpolated linearly, and extrapolated from the last
@@ -121,6 +123,9 @@ class EngineProfile:
     batch_latency_ms: Curve | None = None  # embeddings: batch size -> batch latency
     ttft_ms: Curve | None = None  # generate: running sequences -> time to first token
     itl_ms: Curve | None = None  # generate: running sequences -> inter-token latency
+    # generate: what one prompt joining a decoding batch adds to that step, measured in the
+    # serving stack (None: not measured; the simulator then prices it from the curves)
+    join_ms: float | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
     engine: str = ""  # what ran the model when it was measured; "" in older files
     points: tuple[MeasuredPoint, ...] = ()
@@ -228,7 +233,22 @@ def parse_profile(data: Any, source: str) -> EngineProfile:
         profile,
         ttft_ms=_curve(points, "concurrency", "ttft_ms", source, task),
         itl_ms=_curve(points, "concurrency", "itl_ms", source, task),
+        join_ms=_join_ms(data["generate"], source),
     )
+
+
+def _join_ms(section: Mapping[str, Any], source: str) -> float | None:
+    value = section.get("join_ms")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ConfigError(
+            source,
+            "generate.join_ms",
+            f"must be a number of milliseconds, 0 or more, not {value!r}",
+            "fix it or remove the key (the simulator then prices a join from the curves)",
+        )
+    return float(value)
 
 
 def _curve(points: Sequence[Any], x_key: str, y_key: str, source: str, task: str) -> Curve:
@@ -280,6 +300,8 @@ def profile_data(profile: EngineProfile, extra: Mapping[str, Any] | None = None)
                 for x in sorted(set(profile.ttft_ms.xs) | set(profile.itl_ms.xs))
             ]
         }
+        if profile.join_ms is not None:
+            data["generate"]["join_ms"] = round(profile.join_ms, 3)
     if profile.slo is not None:
         data["slo"] = dataclasses.asdict(profile.slo)
     data["workload"] = dict(profile.workload)

@@ -77,6 +77,7 @@ MIN_DURATION_S = 10.0  # the measured span, at least
 MIN_ARRIVALS = 40  # ... and long enough for this many arrivals (a slow generation stack)
 DRAIN_S = 10.0  # what is in flight at the end may take this long, then is cut off
 TRIES = 2  # the second only when the first did not keep up
+MIN_JOINS = 20  # joiners a try's step table must hold for its join price to be written
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,10 @@ class OpenLoopPoint:
     mean_running: float | None = None
     itl_mean_ms: float | None = None
     capacity_rps: float | None = None  # the capacity the rate was ``fraction`` of
+    # Generation: what one prompt joining a decoding batch added to its step, from the
+    # engine's own step table (tidegate.engines.steps), and over how many joiners.
+    join_ms: float | None = None
+    num_joins: int | None = None
 
     @property
     def kept_up(self) -> bool:
@@ -343,11 +348,13 @@ async def measure_open_loop(
     refused = sum(not c.ok for a, c in answered if a >= span_from)
     mean_batch, batch_ms = usage.mean_batch_size, usage.batch_latency_ms
     curve_ms = None if mean_batch is None else curve(mean_batch)
-    running = itl_ms = None
+    running = itl_ms = join_ms = num_joins = None
     if generate:  # the client's token stamps, not the worker's batches (module docstring)
         gaps = decoding_gaps([c for _, c in answered], curve, first.at, last.at)
         mean_batch = batch_ms = None
         running, itl_ms, curve_ms = gaps if gaps is not None else (None, None, None)
+        if usage.join is not None:
+            join_ms, num_joins = usage.join.join_ms, usage.join.num_joins
     return OpenLoopPoint(
         fraction=fraction,
         offered_rps=sent / duration_s,
@@ -361,12 +368,22 @@ async def measure_open_loop(
         duration_s=span,
         mean_running=running,
         itl_mean_ms=itl_ms,
+        join_ms=join_ms,
+        num_joins=num_joins,
     )
 
 
 def chosen(tries: Sequence[OpenLoopPoint]) -> OpenLoopPoint | None:
     """The try whose factor calibrates the curve: the last one with a factor."""
     return next((t for t in reversed(tries) if t.factor is not None), None)
+
+
+def measured_join(tries: Sequence[OpenLoopPoint]) -> OpenLoopPoint | None:
+    """The try whose join price the profile keeps: the last one with ``MIN_JOINS``."""
+    return next(
+        (t for t in reversed(tries) if t.join_ms is not None and (t.num_joins or 0) >= MIN_JOINS),
+        None,
+    )
 
 
 def sustained_rps(tries: Sequence[OpenLoopPoint]) -> float | None:
@@ -400,6 +417,10 @@ def point_line(point: OpenLoopPoint) -> str:
         parts.append(
             f"{point.mean_running:.1f} sequences decoding, {point.itl_mean_ms:.1f} ms between"
             f" tokens (closed loop {point.curve_ms or 0:.1f} ms)"
+        )
+    if point.join_ms is not None:
+        parts.append(
+            f"a prompt joining a decoding batch {point.join_ms:.0f} ms ({point.num_joins} joins)"
         )
     if factor is not None:
         parts.append(f"factor {factor:.2f}")

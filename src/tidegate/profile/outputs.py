@@ -19,7 +19,7 @@ import yaml
 
 from tidegate import __version__
 from tidegate.engines.profile import Curve, EngineProfile, MeasuredPoint, profile_data
-from tidegate.profile.openloop import calibrated_curve, chosen
+from tidegate.profile.openloop import calibrated_curve, chosen, measured_join
 from tidegate.profile.options import ProfileOptions
 from tidegate.profile.plots import write_report_png
 from tidegate.profile.recommend import Recommendation, Setting, slo_text
@@ -34,6 +34,12 @@ def build_profile(
     o = record.options
     latency, ttft, itl, source = _curves(points, record.task, o)
     latency, ttft, itl, source = _open_loop_calibrated((latency, ttft, itl), source, record)
+    joined = measured_join(record.open_loop) if ttft is not None else None
+    if joined is not None:
+        source = (
+            f"{source}; a prompt joining a decoding batch costs {joined.join_ms:.1f} ms (the "
+            f"engine's own steps in the open loop, {joined.num_joins} joins)"
+        )
     profile = EngineProfile(
         model=o.model,
         task=record.task,
@@ -43,6 +49,7 @@ def build_profile(
         batch_latency_ms=latency,
         ttft_ms=ttft,
         itl_ms=itl,
+        join_ms=None if joined is None else joined.join_ms,
         engine=record.engine,
         points=tuple(points),
         knee=rec.knee,

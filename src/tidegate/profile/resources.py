@@ -11,7 +11,9 @@ two is what the window cost:
   device's used memory with ``--url``), with the worker's own allocator peak from /metrics
   as a floor. The GPU path is written against the NVML API but untested here (no GPU).
 - Batch counters: ``tidegate_batch_size`` and ``tidegate_batch_duration_seconds`` from a
-  tidegate worker's /metrics, giving the mean batch and the engine time per batch. Other
+  tidegate worker's /metrics, giving the mean batch and the engine time per batch; for a
+  generation worker the engine's step table (``tidegate_engine_step*``,
+  ``tidegate.engines.steps``), giving what a prompt joining a decoding batch costs. Other
   servers (vLLM) have none: those fields stay empty.
 
 psutil and nvidia-ml-py (both in the ``engine`` extra) are imported lazily; without
@@ -23,12 +25,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from tidegate.engines.steps import (
+    JoinCost,
+    StepTable,
+    join_cost_ms,
+    parse_step_samples,
+    table_between,
+)
 
 log = logging.getLogger("tidegate.profile")
 _MB = 1024 * 1024
@@ -43,6 +53,7 @@ class Counters:
     batch_seconds: float
     reported_peak_mb: float | None
     weights_mb: float | None
+    steps: StepTable = field(default_factory=dict)  # a generation engine's step table
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +76,7 @@ class Usage:
     num_batches: float | None
     batch_latency_ms: float | None
     mean_batch_size: float | None
+    join: JoinCost | None = None  # generation: a joiner's price over the stretch
 
 
 def usage_between(first: Snapshot, last: Snapshot) -> Usage:
@@ -73,14 +85,15 @@ def usage_between(first: Snapshot, last: Snapshot) -> Usage:
     worker = _rate(first.worker_cpu_s, last.worker_cpu_s, span)
     busy = _rate(first.machine_busy_s, last.machine_busy_s, span)
     other = None if busy is None else max(0.0, busy - own - (worker or 0.0))
-    batches = latency = mean_batch = None
+    batches = latency = mean_batch = join = None
     if first.counters is not None and last.counters is not None:
         batches = last.counters.num_batches - first.counters.num_batches
         if batches > 0:
             seconds = last.counters.batch_seconds - first.counters.batch_seconds
             latency = 1e3 * seconds / batches
             mean_batch = (last.counters.batched_inputs - first.counters.batched_inputs) / batches
-    return Usage(worker, own, other, batches, latency, mean_batch)
+        join = join_cost_ms(table_between(first.counters.steps, last.counters.steps))
+    return Usage(worker, own, other, batches, latency, mean_batch, join)
 
 
 def _rate(first: float | None, last: float | None, span: float) -> float | None:
@@ -182,11 +195,14 @@ def parse_counters(text: str) -> Counters | None:
     """
     values: dict[str, float] = {}
     memory: dict[str, float] = {}
+    steps: list[tuple[str, dict[str, str], float]] = []
     tidegate = False
     for family in text_string_to_metric_families(text):
         tidegate = tidegate or family.name.startswith("tidegate_")
         for sample in family.samples:
-            if sample.name.startswith(("tidegate_batch_size_", "tidegate_batch_duration_")):
+            if sample.name.startswith("tidegate_engine_step"):
+                steps.append((sample.name, sample.labels, sample.value))
+            elif sample.name.startswith(("tidegate_batch_size_", "tidegate_batch_duration_")):
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
             elif sample.name == "tidegate_engine_memory_bytes":
                 memory[sample.labels.get("kind", "")] = sample.value / _MB
@@ -198,6 +214,7 @@ def parse_counters(text: str) -> Counters | None:
         batch_seconds=values.get("tidegate_batch_duration_seconds_sum", 0.0),
         reported_peak_mb=memory.get("peak"),
         weights_mb=memory.get("weights"),
+        steps=parse_step_samples(steps),
     )
 
 

@@ -20,8 +20,10 @@ becomes a step model this way, for a step of ``n`` running sequences of which ``
 - all ``n`` join an idle engine at once: ``ttft(n)`` (``itl(n) + ttft(p) - itl(p)`` with
   ``p = n``), which is how the profile's closed loop measured them (its clients' equal
   answers keep them in step);
-- ``p`` join a batch that is decoding: ``itl(n) + p * (ttft(1) - itl(1))``: each joiner pays
-  what its prompt's prefill costs alone over a decode step.
+- ``p`` join a batch that is decoding: ``itl(n) + p * join``: each joiner pays ``join``, the
+  profile's ``generate.join_ms`` where ``tidegate profile --through-gateway`` measured it (the
+  engine's own steps in the serving stack, ``tidegate.engines.steps``), else what its
+  prompt's prefill costs alone over a decode step, ``ttft(1) - itl(1)``.
 
 The last is measured, not assumed (2026-12-03, smollm2 on the 2-CPU machine, every engine
 step of a real run at 120% timed inside transformers' manager): a decoding step of 8 took
@@ -102,13 +104,16 @@ class ConcurrencySteps:
 
     __slots__ = ("_decode", "_itl", "_join_s", "_prefill", "_ttft")
 
-    def __init__(self, ttft_ms: Curve, itl_ms: Curve) -> None:
+    def __init__(self, ttft_ms: Curve, itl_ms: Curve, join_ms: float | None = None) -> None:
         self._ttft = ttft_ms
         self._itl = itl_ms
         self._decode: dict[int, float] = {}  # n running -> itl(n), seconds
         self._prefill: dict[int, float] = {}  # p joining an idle engine -> ttft(p) - itl(p)
-        # one joiner into a decoding batch: its prompt's prefill alone, over a decode step
-        self._join_s = max(0.0, ttft_ms(1) - itl_ms(1)) / 1e3
+        # one joiner into a decoding batch: as measured in the serving stack (the profile's
+        # join_ms), else its prompt's prefill alone over a decode step
+        if join_ms is None:
+            join_ms = ttft_ms(1) - itl_ms(1)
+        self._join_s = max(0.0, join_ms) / 1e3
 
     def step_s(self, num_decode: int, num_prefill: int, prefill_tokens: int) -> float:
         running = num_decode + num_prefill
@@ -164,7 +169,7 @@ def from_profile(profile: EngineProfile, source: str) -> ServiceModel:
     return ServiceModel(
         f"{profile.model} on {profile.device}",
         "generate",
-        step=ConcurrencySteps(profile.ttft_ms, profile.itl_ms),
+        step=ConcurrencySteps(profile.ttft_ms, profile.itl_ms, profile.join_ms),
         source=source,
     )
 

@@ -25,10 +25,12 @@ from tidegate.core.batching import BatchConfig
 from tidegate.core.fairness import FairnessConfig
 from tidegate.core.queue import AgingConfig, LevelSpec, QueueConfig
 from tidegate.engines.base import EmbeddingEngine, Engine, GenerationEngine, SamplingParams
+from tidegate.engines.steps import StepTally
 from tidegate.errors import NotReady, ReplicaFailed
 from tidegate.metrics import WorkerMetrics
 from tidegate.worker.nvml_metrics import NvmlCollector, import_nvml, nvml_selector
 from tidegate.worker.scheduling import EmbeddingBatcher, SequenceScheduler
+from tidegate.worker.step_metrics import StepCollector
 
 log = logging.getLogger("tidegate.worker")
 
@@ -218,6 +220,9 @@ class Worker:
             self._tasks.append(batcher)
         else:
             assert isinstance(engine, GenerationEngine)
+            tally = getattr(engine, "steps", None)
+            if isinstance(tally, StepTally):  # an engine that times its own steps
+                self.metrics.registry.register(StepCollector(s.model, tally))
             self.sequences = SequenceScheduler(
                 engine,
                 s.max_num_seqs,
