@@ -83,11 +83,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 import bench_gateway as bg
 import loadgen as lg
 from summary import write_verdicts
 from tidegate.engines.profile import EngineProfile, load_profile
+from tidegate.engines.steps import StepTable, join_cost_ms, parse_step_samples, table_between
 from tidegate.profile.openloop import curve_capacity
 from tidegate.sim.saturation import saturated_per_s
 from tidegate.sim.service import from_profile, load_service, scaled
@@ -544,12 +546,27 @@ def probe_s(url: str) -> tuple[float, float | None]:
     return statistics.median(latencies), probes.mean_ms / 1e3 if probes.count else None
 
 
-def worker_batches(gateway_url: str) -> tuple[float, float, float]:
-    """(batches, inputs, engine seconds) so far, from the worker's /metrics."""
+def worker_metrics(gateway_url: str) -> str:
+    """The /metrics text of the model's one worker."""
     replicas = httpx.get(f"{gateway_url}/admin/replicas", timeout=10).json()
     url = replicas[MODEL]["replicas"][0]["url"]
+    return httpx.get(f"{url}/metrics", timeout=10).text
+
+
+def worker_steps(gateway_url: str) -> StepTable:
+    """The generation engine's step table so far (tidegate.engines.steps)."""
+    text = worker_metrics(gateway_url)
+    return parse_step_samples(
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    )
+
+
+def worker_batches(gateway_url: str) -> tuple[float, float, float]:
+    """(batches, inputs, engine seconds) so far, from the worker's /metrics."""
     totals = {"count": 0.0, "sizes": 0.0, "seconds": 0.0}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+    for line in worker_metrics(gateway_url).splitlines():
         name, _, value = line.partition(" ")
         if name.startswith("tidegate_batch_size_sum"):
             totals["sizes"] = float(value)
@@ -583,8 +600,10 @@ def real_run(
             import asyncio
 
             bg.QUIET()
+            steps_before = worker_steps(child.url)
             streamed = asyncio.run(stream_schedule(child.url, arrivals, args.drain_s))
             batches = Batches(0, 0, 0)
+            join = join_cost_ms(table_between(steps_before, worker_steps(child.url)))
         else:
             schedule = [(a.arrival_s, a.priority or "low") for a in arrivals]
             before = worker_batches(child.url)
@@ -615,6 +634,8 @@ def real_run(
             "engine_threads": args.engine_threads,
             "engine_process": args.engine_process,
             "cpus": os.cpu_count(),
+            # what a prompt joining a decoding batch cost in the run, from the engine's steps
+            "engine_join": None if join is None else join.describe(),
         }
         run = RecordedRun(MODEL, SPEC.task, config, generated, idle_s, str(path), meta)
         return run, batches
@@ -658,6 +679,7 @@ def one_run(
             "network_ms": validation.network_s * 1e3,
             "idle_round_trip_ms": (run.idle_round_trip_s or 0.0) * 1e3,
             "decode_ms_per_token": {"real": real_ms, "sim": sim_ms},
+            "engine_join": run.meta.get("engine_join"),
             "validation": validation_data(validation),
         }
         outcome = RunOutcome(load, policy, list(validation.figures), notes, run=run)
@@ -894,14 +916,21 @@ def token_diagnostics(outcomes: list[RunOutcome]) -> str:
     """Generation's "profile x": the decode time per token the real stack and the simulator
     gave each run (a real/sim ratio over 1 is an engine slower in the run than profiled)."""
     lines = [
-        "| run | decode ms per token: real / sim | real / sim |",
-        "|---|---:|---:|",
+        "| run | decode ms per token: real / sim | real / sim | a join in the run's engine "
+        "steps: ms (joins; decode step ms) |",
+        "|---|---:|---:|---:|",
     ]
     for o in outcomes:
         decode = o.notes["decode_ms_per_token"]
+        join = o.notes.get("engine_join")
+        steps = (
+            "none measured"
+            if not join
+            else f"{join['join_ms']:.0f} ({join['num_joins']}; {join['decode_ms']:.0f})"
+        )
         lines.append(
             f"| {o.load:.0%} {o.policy} | {decode['real']:.0f} / {decode['sim']:.0f} "
-            f"| {decode['real'] / decode['sim']:.2f} |"
+            f"| {decode['real'] / decode['sim']:.2f} | {steps} |"
         )
     return "\n".join(lines)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tidegate.errors import ConfigError
+from tidegate.profile.loadgen import RequestStream
 from tidegate.profile.workload import (
     TextSizer,
     Workload,
@@ -127,3 +128,20 @@ def test_text_sizer_inverts_the_calibration() -> None:
 def test_probe_text_is_deterministic() -> None:
     assert probe_text(5, "k") == probe_text(5, "k")
     assert len(probe_text(5, "k").split()) == 5
+
+
+def test_a_run_never_sends_a_generation_prompt_twice() -> None:
+    """A prompt sent again finds its pages in the engine's prefix cache and skips its prefill:
+    the run's points go on where the last stopped, and past the samples prompts get new
+    words of the same length."""
+    workload = Workload("w", (20, 40, 60), (8, 8, 8))
+    sizer = TextSizer(overhead_tokens=2.0, tokens_per_word=1.0, seed=3)
+    stream = RequestStream("m", "generate", workload, sizer)
+    bodies = [json.loads(stream.next().body) for _ in range(9)]
+    prompts = [body["prompt"] for body in bodies]
+    assert len(set(prompts)) == 9
+    assert [len(p.split()) for p in prompts] == [18, 38, 58] * 3  # the samples' lengths, in turn
+    assert {body["max_tokens"] for body in bodies} == {8}
+    embeddings = RequestStream("m", "embeddings", workload, sizer)
+    inputs = [json.loads(embeddings.next().body)["input"] for _ in range(6)]
+    assert inputs[:3] == inputs[3:]  # no cache to dodge: the bodies built once, in a cycle

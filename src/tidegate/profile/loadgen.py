@@ -22,7 +22,6 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,25 +59,61 @@ def build_requests(
     model: str, task: str, workload: Workload, sizer: TextSizer
 ) -> list[RequestSpec]:
     """One request per workload sample, built once (the bodies are replayed in a cycle)."""
-    specs: list[RequestSpec] = []
     pairs = zip(workload.input_tokens, workload.output_tokens, strict=True)
-    for index, (prompt, output) in enumerate(pairs):
-        text = sizer.text(prompt, index)
-        if task == "embeddings":
-            body: dict[str, Any] = {"model": model, "input": text, "encoding_format": "base64"}
-            specs.append(RequestSpec("/v1/embeddings", json.dumps(body).encode(), False))
-        else:
-            body = {
-                "model": model,
-                "prompt": text,
-                "max_tokens": max(1, output),
-                "temperature": 0.0,
-                "ignore_eos": True,  # vLLM: generate max_tokens; others ignore the field
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            specs.append(RequestSpec("/v1/completions", json.dumps(body).encode(), True))
-    return specs
+    return [
+        request_spec(model, task, sizer.text(prompt, index), output)
+        for index, (prompt, output) in enumerate(pairs)
+    ]
+
+
+def request_spec(model: str, task: str, text: str, output_tokens: int) -> RequestSpec:
+    if task == "embeddings":
+        body: dict[str, Any] = {"model": model, "input": text, "encoding_format": "base64"}
+        return RequestSpec("/v1/embeddings", json.dumps(body).encode(), False)
+    body = {
+        "model": model,
+        "prompt": text,
+        "max_tokens": max(1, output_tokens),
+        "temperature": 0.0,
+        "ignore_eos": True,  # vLLM: generate max_tokens; others ignore the field
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    return RequestSpec("/v1/completions", json.dumps(body).encode(), True)
+
+
+class RequestStream:
+    """What a run sends, in order: one counter for every point of the run.
+
+    Generation never sends the same prompt twice in a run. A served prompt's full KV pages
+    stay in the engine's prefix cache (transformers' block sharing, vLLM's prefix caching),
+    so a prompt sent again skips most of its prefill: when every point replayed the workload
+    from its first sample, the open-loop point measured a prompt joining a decoding batch at
+    42 ms where fresh prompts in the same stack cost 170-180 ms (docs/benchmarks.md,
+    "Fidelity"). So the points go on where the last one stopped, and past the workload's
+    samples each generation prompt gets new words of the same token count. Embeddings have
+    no such cache: their bodies are replayed in a cycle, built once.
+    """
+
+    def __init__(self, model: str, task: str, workload: Workload, sizer: TextSizer) -> None:
+        self.model = model
+        self.task = task
+        self.workload = workload
+        self.sizer = sizer
+        self.specs = build_requests(model, task, workload, sizer)
+        self._sent = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def next(self) -> RequestSpec:
+        sent = next(self._sent)
+        index = sent % len(self.specs)
+        if sent < len(self.specs) or self.task == "embeddings":
+            return self.specs[index]
+        prompt = self.workload.input_tokens[index]
+        text = self.sizer.text(prompt, sent)  # other words: a prompt the cache has not seen
+        return request_spec(self.model, self.task, text, self.workload.output_tokens[index])
 
 
 def client_session() -> aiohttp.ClientSession:
@@ -120,13 +155,13 @@ class Recorder:
 
 
 class LoadGenerator:
-    """``concurrency`` client tasks replaying ``requests`` in a cycle against ``url``."""
+    """``concurrency`` client tasks sending ``requests`` in turn against ``url``."""
 
     def __init__(
         self,
         session: aiohttp.ClientSession,
         url: str,
-        requests: Sequence[RequestSpec],
+        requests: RequestStream,
         concurrency: int,
         recorder: Recorder,
     ) -> None:
@@ -135,7 +170,6 @@ class LoadGenerator:
         self.requests = requests
         self.concurrency = concurrency
         self.recorder = recorder
-        self._next = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._draining = False
 
@@ -165,7 +199,7 @@ class LoadGenerator:
     async def _client(self) -> None:
         last_done_at: float | None = None
         while not self._draining:
-            spec = self.requests[next(self._next) % len(self.requests)]
+            spec = self.requests.next()
             completion = await send(self.session, self.url, spec)
             if last_done_at is None:  # the client's first: it waited for nothing before
                 completion.cycle_s = completion.latency_s

@@ -34,7 +34,7 @@ import numpy as np
 
 from tidegate.core.capacity import PointVerdict, StabilityRule, WindowStats, decide_point
 from tidegate.engines.profile import MeasuredPoint
-from tidegate.profile.loadgen import Completion, LoadGenerator, Recorder, RequestSpec
+from tidegate.profile.loadgen import Completion, LoadGenerator, Recorder, RequestStream
 from tidegate.profile.resources import ResourceMeter, Snapshot, usage_between
 
 DRAIN_S = 10.0  # the longest the requests in flight at the end of a point may take
@@ -119,7 +119,7 @@ class PointRun:
     session: aiohttp.ClientSession
     url: str
     task: str
-    requests: Sequence[RequestSpec]
+    requests: RequestStream
     meter: ResourceMeter
     settings: MeasureSettings
     stop: asyncio.Event  # set: cut the point short (Ctrl-C, out of time)

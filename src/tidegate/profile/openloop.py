@@ -26,8 +26,9 @@ stays at it above: the slowdown comes with load, and load is what forms larger b
 closed-loop points, the knee and the recommended settings are unchanged; ``measured.open_loop``
 in profile.json holds every open-loop try and the factor used.
 
-Generation has no engine time per step on the worker's /metrics, but every streamed token is
-one engine step of the sequences decoding then, so the client's own token stamps measure it:
+Generation's factor is measured as its closed-loop curve was, from the client's side: every
+streamed token is one engine step of the sequences decoding then, so the client's own token
+stamps measure it:
 each gap between two tokens of a request is set against the closed-loop inter-token curve at
 the number of sequences decoding at the gap's middle (those between their first and last
 token), leaving out the gaps of steps that also prefilled a joining sequence (the closed
@@ -35,6 +36,14 @@ loop's curve is of decode steps; the simulator costs joins apart). The factor is
 the measured gaps over the sum of the curve's, and the "batch" it is measured at is the mean
 of those counts; both curves the simulator replays (time to first token and inter-token
 latency, by running sequences) are scaled by it the same way.
+
+What the client cannot see is the step that prefilled a joiner: its first token comes a step
+later. So the point also reads the engine's own step table from the worker's /metrics
+(``tidegate.engines.steps``): each step where prompts joined a decoding batch, less a decode
+step of as many sequences in the same span, over its joiners, is ``join_ms``. The profile
+writes the last try's with at least ``MIN_JOINS`` joiners as ``generate.join_ms``, the price
+the simulator charges each joiner (sim/service.py); a worker without the table (another
+server, the simulated engine) leaves it out and the simulator prices a join from the curves.
 
 The capacity the rate is a fraction of is what one replica answers when arrivals keep coming
 (``tidegate.sim.saturation``: the simulator, fed the closed-loop curves, offered twice the
@@ -63,7 +72,7 @@ from typing import Any
 import aiohttp
 
 from tidegate.engines.profile import Curve, MeasuredPoint
-from tidegate.profile.loadgen import Completion, RequestSpec, send
+from tidegate.profile.loadgen import Completion, RequestSpec, RequestStream, send
 from tidegate.profile.measure import percentile_ms
 from tidegate.profile.resources import ResourceMeter, usage_between
 from tidegate.sim.saturation import saturated_per_s
@@ -282,7 +291,7 @@ def calibrated_curve(curve: Curve, mean_batch: float, factor: float) -> Curve:
 async def measure_open_loop(
     session: aiohttp.ClientSession,
     url: str,
-    requests: Sequence[RequestSpec],
+    requests: RequestStream,
     meter: ResourceMeter,
     curve: Curve,
     rate_per_s: float,
@@ -310,17 +319,16 @@ async def measure_open_loop(
     span_from, span_to = started + warmup_s, started + warmup_s + duration_s
 
     async def arrivals() -> int:
-        at, index, sent = started, 0, 0
+        at, sent = started, 0
         while at < span_to and not stop.is_set():
             delay = at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(one(requests[index % len(requests)], at))
+            task = asyncio.create_task(one(requests.next(), at))
             in_flight.add(task)
             task.add_done_callback(in_flight.discard)
             if at >= span_from:
                 sent += 1
-            index += 1
             at += draw.expovariate(rate_per_s)
         return sent
 

@@ -47,7 +47,7 @@ from tidegate.profile.gateway import (
     free_port,
     stack_config,
 )
-from tidegate.profile.loadgen import RequestSpec, build_requests, calibrate
+from tidegate.profile.loadgen import RequestStream, calibrate
 from tidegate.profile.measure import MeasureSettings, PointRun, PointSpec, measure_point
 from tidegate.profile.openloop import (
     TRIES,
@@ -95,7 +95,7 @@ class Prepared:
     info: ServerInfo
     task: str
     workload: Workload
-    requests: list[RequestSpec]
+    requests: RequestStream
     sizer: TextSizer
 
 
@@ -470,7 +470,7 @@ class Planner:
         )
         workload = clip_workload(raw, **self._limits(info, task))
         sizer = await calibrate(session, url, o.model, task, o.seed)
-        requests = build_requests(o.model, task, workload, sizer)
+        requests = RequestStream(o.model, task, workload, sizer)
         self.prepared = Prepared(info, task, workload, requests, sizer)
         clipped = workload.details["clipping"]["num_clipped"]
         self.progress.note(
