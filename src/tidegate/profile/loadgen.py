@@ -89,10 +89,11 @@ class RequestStream:
     stay in the engine's prefix cache (transformers' block sharing, vLLM's prefix caching),
     so a prompt sent again skips most of its prefill: when every point replayed the workload
     from its first sample, the open-loop point measured a prompt joining a decoding batch at
-    42 ms where fresh prompts in the same stack cost 170-180 ms (docs/benchmarks.md,
-    "Fidelity"). So the points go on where the last one stopped, and past the workload's
-    samples each generation prompt gets new words of the same token count. Embeddings have
-    no such cache: their bodies are replayed in a cycle, built once.
+    42 ms; with fresh prompts it measured 130 ms, and real runs of the same stack paid
+    120-144 ms (docs/benchmarks.md, "Fidelity"). So the points go on where the last one
+    stopped, and past the workload's samples each generation prompt gets new words of the
+    same token count. Embeddings have no such cache: their bodies are replayed in a cycle,
+    built once.
     """
 
     def __init__(self, model: str, task: str, workload: Workload, sizer: TextSizer) -> None:
