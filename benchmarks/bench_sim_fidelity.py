@@ -83,13 +83,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 import bench_gateway as bg
 import loadgen as lg
 from summary import write_verdicts
 from tidegate.engines.profile import EngineProfile, load_profile
-from tidegate.engines.steps import StepTable, join_cost_ms, parse_step_samples, table_between
+from tidegate.engines.steps import StepTable, join_cost_ms, parse_step_metrics, table_between
 from tidegate.profile.openloop import curve_capacity
 from tidegate.sim.saturation import saturated_per_s
 from tidegate.sim.service import from_profile, load_service, scaled
@@ -555,12 +554,7 @@ def worker_metrics(gateway_url: str) -> str:
 
 def worker_steps(gateway_url: str) -> StepTable:
     """The generation engine's step table so far (tidegate.engines.steps)."""
-    text = worker_metrics(gateway_url)
-    return parse_step_samples(
-        (sample.name, sample.labels, sample.value)
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    )
+    return parse_step_metrics(worker_metrics(gateway_url))
 
 
 def worker_batches(gateway_url: str) -> tuple[float, float, float]:

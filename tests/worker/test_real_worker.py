@@ -9,10 +9,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.procs import DEADLINE_S, Proc, worker_process
-from tidegate.engines.steps import parse_step_samples
+from tidegate.engines.steps import parse_step_metrics
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +113,7 @@ def test_the_engine_steps_are_on_metrics(tiny_llama: Proc) -> None:
     with client(tiny_llama) as c:
         c.completions.create(model="tiny-llama", prompt="Steps", max_tokens=5, temperature=0.0)
     text = httpx.get(f"{tiny_llama.url}/metrics", timeout=DEADLINE_S).text
-    table = parse_step_samples(
-        (sample.name, sample.labels, sample.value)
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.labels.get("model") == "tiny-llama"
-    )
+    table = parse_step_metrics(text)  # one model: tiny-llama
     # The warm-up, the readiness probe and the request each start alone on an idle engine.
     assert table[("start", 1)].num_steps >= 1
     assert table[("start", 1)].num_joins == table[("start", 1)].num_steps

@@ -35,8 +35,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 log = logging.getLogger(__name__)
-KINDS = ("decode", "join", "start")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +88,13 @@ def clock_steps(manager: Any, tally: StepTally) -> bool:
         log.warning("this transformers has no step hook: engine steps go untimed")
         return False
     labels: list[tuple[int, int] | None] = [None]  # the manager's one thread writes it
+    told = threading.Event()  # set once the manager's insides were not as expected
 
     def labelled_step() -> None:
         labels[0] = _labels(manager)
+        if labels[0] is None and not told.is_set():
+            told.set()
+            log.warning("cannot label this transformers' engine steps: they go untimed")
         run_step()
 
     def timed_body(processor: Any, bootstrapping: bool) -> bool:
@@ -167,6 +172,15 @@ def join_cost_ms(window: StepTable) -> JoinCost | None:
         join_ms=max(0.0, 1e3 * extra_s / joins),
         num_joins=round(joins),
         decode_ms=1e3 * decode_s / steps,
+    )
+
+
+def parse_step_metrics(text: str) -> StepTable:
+    """The step table of a worker's /metrics text."""
+    return parse_step_samples(
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
     )
 
 
