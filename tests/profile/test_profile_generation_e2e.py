@@ -1,8 +1,10 @@
 """`tidegate profile` end to end, generation and Ctrl-C: real processes, real HTTP.
 
-- Round trip: profile a simulated generation worker built from a known profile; TTFT and
-  ITL recover the known ones (a loaded machine only adds), and the knee is where TTFT
-  breaks its target.
+- Round trip: profile a simulated generation worker built from a known profile. The engine
+  steps its sequences as the simulator does (``tidegate.sim.service``), so one sequence alone
+  recovers the known TTFT and ITL (a loaded machine only adds), and with more in flight what
+  the closed loop measures stays within what the step model allows; the knee is the best
+  point that kept its targets.
 - Through the gateway: the same worker inside ``tidegate serve``, and its open-loop point
   (the token gaps of Poisson arrivals against the closed-loop inter-token curve) scales
   both curves.
@@ -70,16 +72,37 @@ def test_round_trip_of_a_generation_profile(tmp_path: Path) -> None:
     profile = load_profile(out / "profile.json")
     assert profile.ttft_ms is not None
     assert profile.itl_ms is not None
-    for row in KNOWN_GENERATE:
-        c = row["concurrency"]
-        assert within_load(profile.ttft_ms(c), row["ttft_ms"]), f"TTFT at {c}"
-        assert within_load(profile.itl_ms(c), row["itl_ms"]), f"ITL at {c}"
-    assert profile.knee is not None
-    # 4 in flight breaks the TTFT target (about 200 ms); 2 keeps both targets with room for a
-    # loaded machine (TTFT 110 and ITL 33 ms known). Under targets of 150 and 60 ms a loaded
-    # CI run once kept no point at 4: most likely 2 broke one (a sweep stops at the first
-    # point past a target; the p95 of a token gap is what load stretches most).
-    assert profile.knee.concurrency == 2
+    alone = KNOWN_GENERATE[0]
+    assert within_load(profile.ttft_ms(1), alone["ttft_ms"]), "TTFT alone"
+    assert within_load(profile.itl_ms(1), alone["itl_ms"]), "ITL alone"
+    # With more in flight the closed loop's clients do not stay in step (each answer comes
+    # back a little apart, and the engine starts a step as soon as a prompt is there), so a
+    # prompt mostly joins a batch that is decoding: it pays the step in progress, at most,
+    # and a step of its own with the join's price (``ttft(1) - itl(1)``, no join_ms given).
+    # The least it can cost is its own step with nobody else joining; the most, two steps
+    # where every sequence joins.
+    join = alone["ttft_ms"] - alone["itl_ms"]
+    known_itl = Curve(
+        tuple(float(r["concurrency"]) for r in KNOWN_GENERATE),
+        tuple(r["itl_ms"] for r in KNOWN_GENERATE),
+    )
+    for point in profile.points[1:]:
+        c = point.concurrency
+        least, most = known_itl(c) + join, 2 * (known_itl(c) + c * join)
+        assert point.ttft_mean_ms is not None
+        assert point.itl_mean_ms is not None
+        assert 0.9 * least <= point.ttft_mean_ms <= 1.35 * most, f"TTFT at {c}"
+        assert 0.9 * known_itl(c) <= point.itl_mean_ms <= 1.35 * (known_itl(c) + join), c
+    knee = profile.knee
+    assert knee is not None
+    kept = [
+        p
+        for p in profile.points
+        if (p.ttft_p95_ms or 0.0) <= 180 and (p.itl_p95_ms or 0.0) <= 150  # the targets
+    ]
+    assert kept
+    best = max(kept, key=lambda p: p.throughput_rps)
+    assert knee.concurrency == best.concurrency
     assert all(p.mean_output_tokens == 6 for p in profile.points)
     assert {p.name for p in out.iterdir()} == FILES
 

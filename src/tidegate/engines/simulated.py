@@ -1,10 +1,19 @@
 """Simulated engines: the latency and memory of a profile, no model.
 
-Used by tests that need many replicas, by load tests of the gateway and by the simulator.
-Outputs are deterministic: the same seed and input give the same vectors and tokens. A
-batch of embeddings takes ``batch_latency_ms(batch size)``; a sequence waits
-``ttft_ms(running)`` for its first token and ``itl_ms(running)`` for each next one, where
-``running`` is the number of sequences generating at that moment.
+Used by tests that need many replicas, by load tests of the gateway and to develop the
+fidelity benchmark against a stack whose engine is known. Outputs are deterministic: the same
+seed and input give the same vectors and tokens. A batch of embeddings takes
+``batch_latency_ms(batch size)``.
+
+Generation runs the simulator's step model in wall time (``tidegate.sim.service``'s
+``ConcurrencySteps``, the one ``tidegate simulate`` charges): one loop steps every running
+sequence at once; a step where nobody joins lasts ``itl(running)``, prompts joining an idle
+engine together ``ttft`` of their number, and each prompt joining a batch that is decoding
+adds the profile's ``generate.join_ms``. A joiner's first token comes at the end of its
+step, each next one a step later. (Until 2026-12-04 each sequence slept ``ttft(running)``
+then ``itl(running)`` per token on its own, so a prompt joining a busy engine cost the others
+nothing and the profile's join price was not charged: a stack on this engine served what the
+simulator would not.)
 """
 
 from __future__ import annotations
@@ -28,12 +37,14 @@ from tidegate.engines.base import (
 )
 from tidegate.engines.profile import EngineProfile
 from tidegate.engines.text import CatchUp, StopScanner
+from tidegate.sim.service import ConcurrencySteps
 
 _WORDS = (
     "tide gate harbour vessel current anchor lantern signal river delta channel beacon "
     "pier quay buoy ledger cargo dock crane hull mast keel rudder sail"
 ).split()
 _MB = 1024 * 1024
+_sleep = asyncio.sleep  # how a step passes (tests step the engine by hand)
 
 
 def _approx_tokens(text: str) -> int:
@@ -121,9 +132,16 @@ class SimulatedGenerator:
             synthetic=True,
             description=f"simulated from profile of {profile.model}",
         )
-        self._ttft = profile.ttft_ms
-        self._itl = profile.itl_ms
-        self.num_running = 0
+        self._steps = ConcurrencySteps(profile.ttft_ms, profile.itl_ms, profile.join_ms)
+        self._joining: list[_Sequence] = []  # to prefill in the next step
+        self._prefilling: list[_Sequence] = []  # joining in the step in progress
+        self._decoding: list[_Sequence] = []
+        self._loop: asyncio.Task[None] | None = None
+        self.steps_run = 0  # engine steps so far (tests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._joining) + len(self._prefilling) + len(self._decoding)
 
     def load(self) -> None:
         """Nothing to load."""
@@ -144,11 +162,36 @@ class SimulatedGenerator:
         text = "".join(f"{m['role']}\n{m['content']}\n" for m in messages) + "assistant\n"
         return self.encode(text)
 
-    def ttft_s(self, running: int) -> float:
-        return self._ttft(running) / 1e3
+    def step_s(self, num_decode: int, num_join: int) -> float:
+        """One step of ``num_decode`` decoding sequences and ``num_join`` joining ones."""
+        return self._steps.step_s(num_decode, num_join, 0)
 
-    def itl_s(self, running: int) -> float:
-        return self._itl(running) / 1e3
+    async def _run(self) -> None:
+        """The engine loop: a step of every running sequence at a time, while any runs."""
+        while self._joining or self._decoding:
+            self._prefilling, self._joining = self._joining, []
+            await _sleep(self.step_s(len(self._decoding), len(self._prefilling)))
+            self.steps_run += 1
+            stepped = self._decoding + self._prefilling  # (one that left is out of them)
+            self._decoding, self._prefilling = [], []
+            for seq in stepped:
+                seq.left -= 1
+                seq.tokens.put_nowait(None)
+                if seq.left:
+                    self._decoding.append(seq)
+        self._loop = None
+
+    def _join(self, seq: _Sequence) -> None:
+        self._joining.append(seq)
+        if self._loop is None or self._loop.done():  # (done: its event loop was closed)
+            self._loop = asyncio.get_running_loop().create_task(self._run())
+
+    def _leave(self, seq: _Sequence) -> None:
+        """``seq`` ended before its last token (a stop string, or its client left)."""
+        seq.left = 0
+        for running in (self._joining, self._prefilling, self._decoding):
+            if seq in running:
+                running.remove(seq)
 
     async def generate(
         self,
@@ -167,12 +210,11 @@ class SimulatedGenerator:
         if resume is not None:  # the same words again, as the client got them
             replayed = "".join(scanner.feed(_word(rng, made))[0] for made in range(1, before + 1))
             catch_up = CatchUp(replayed, resume.text_chars)
-        self.num_running += 1
+        seq = _Sequence(params.max_tokens - before)
+        self._join(seq)
         try:
-            await asyncio.sleep(self.ttft_s(self.num_running))
             for made in range(before + 1, params.max_tokens + 1):
-                if made > before + 1:
-                    await asyncio.sleep(self.itl_s(self.num_running))
+                await seq.tokens.get()
                 text, stopped = scanner.feed(_word(rng, made))
                 last = made == params.max_tokens
                 if last and not stopped:
@@ -185,7 +227,17 @@ class SimulatedGenerator:
                     return
                 yield TokenEvent(text, made, "length" if last else None, ids)
         finally:
-            self.num_running -= 1
+            self._leave(seq)
+
+
+class _Sequence:
+    """A running sequence as the simulated engine steps it."""
+
+    __slots__ = ("left", "tokens")
+
+    def __init__(self, left: int) -> None:
+        self.left = left  # tokens still to make; 0: it has left the engine
+        self.tokens: asyncio.Queue[None] = asyncio.Queue()  # one item per token made
 
 
 def _word(rng: random.Random, made: int) -> str:
