@@ -160,7 +160,7 @@ class SimulatedGenerator:
         """Nothing to release."""
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
-        """No loop of its own: it never dies on its own."""
+        """Its step loop only sleeps and hands out tokens: it never dies on its own."""
 
     def memory(self) -> MemoryReport:
         return _memory(self.profile)
