@@ -74,6 +74,31 @@ def test_engine_modules_import_each_other_in_one_direction() -> None:
     assert find_circle(graph) is None, " -> ".join(find_circle(graph) or [])
 
 
+def tidegate_imports(path: Path) -> set[str]:
+    """The tidegate modules ``path`` imports, at the top or inside functions."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tidegate."):
+            found.add(node.module or "")
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("tidegate."))
+    return found
+
+
+def test_engines_stand_below_the_simulator_and_the_servers() -> None:
+    """An engine may use core and errors, never what runs it: the worker loads the simulated
+    engine, and importing the simulator there pulled its whole package and the config in
+    (0.6 s of every simulated worker's start). What both sides charge lives in engines.cost."""
+    above = {
+        f"{path.stem}: {module}"
+        for path in ROOT.glob("*.py")
+        for module in tidegate_imports(path)
+        if not module.startswith(("tidegate.engines", "tidegate.core", "tidegate.errors"))
+    }
+    assert tidegate_imports(ROOT / "simulated.py") >= {"tidegate.engines.cost"}  # walk works
+    assert not above, sorted(above)
+
+
 def test_find_circle_finds_a_lazy_circle() -> None:
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": set()}) is None

@@ -13,9 +13,9 @@ import pytest
 
 from tidegate.engines import simulated
 from tidegate.engines.base import SamplingParams, TokenEvent
+from tidegate.engines.cost import ConcurrencySteps
 from tidegate.engines.profile import Curve, EngineProfile
 from tidegate.engines.simulated import SimulatedGenerator
-from tidegate.sim.service import ConcurrencySteps
 
 TTFT = Curve((1.0, 2.0), (200.0, 300.0))
 ITL = Curve((1.0, 2.0), (40.0, 50.0))
@@ -99,6 +99,15 @@ async def test_a_prompt_joining_a_decoding_batch_pays_the_profiles_join_price(
     assert first[-1].finish_reason == "length"
     assert engine.steps_run == 3
     assert len(clock.asked) == 3  # no step with nobody running
+    # each step counted by kind and sequences running, as the transformers engine's are (the
+    # worker exports the table; the profiler prices a join from it)
+    table = engine.steps.table()
+    assert {key: (cell.num_steps, cell.num_joins) for key, cell in table.items()} == {
+        ("start", 1): (1, 1),
+        ("join", 2): (1, 1),
+        ("decode", 2): (1, 0),
+    }
+    assert all(cell.seconds >= 0 for cell in table.values())
 
 
 async def test_prompts_joining_an_idle_engine_together_take_the_ttft_of_their_number(

@@ -1,13 +1,13 @@
 """`tidegate profile` end to end, generation and Ctrl-C: real processes, real HTTP.
 
 - Round trip: profile a simulated generation worker built from a known profile. The engine
-  steps its sequences as the simulator does (``tidegate.sim.service``), so one sequence alone
+  steps its sequences as the simulator does (``tidegate.engines.cost``), so one sequence alone
   recovers the known TTFT and ITL (a loaded machine only adds), and with more in flight what
   the closed loop measures stays within what the step model allows; the knee is the best
   point that kept its targets.
 - Through the gateway: the same worker inside ``tidegate serve``, and its open-loop point
   (the token gaps of Poisson arrivals against the closed-loop inter-token curve) scales
-  both curves.
+  both curves; the engine's step table gives back the join price it charges.
 - Ctrl-C writes what was measured and leaves no worker behind.
 """
 
@@ -145,6 +145,18 @@ def test_through_the_gateway_the_open_loop_token_gaps_scale_both_curves(tmp_path
     assert profile.ttft_ms == calibrated_curve(ttft, at, factor)
     assert profile.itl_ms == calibrated_curve(itl, at, factor)
     assert "open-loop factor" in profile.raw["measured"]["curve_source"]
+    # The engine's own step table (tidegate_engine_step*, read around each try) gives back the
+    # join price the engine charges: with no join_ms in its profile, a lone prompt's prefill
+    # over a decode step, ttft(1) - itl(1). It is read as a step of n with joiners against a
+    # decode step of n; a loaded machine wakes both kinds late, and their difference keeps it.
+    join = KNOWN_GENERATE[0]["ttft_ms"] - KNOWN_GENERATE[0]["itl_ms"]
+    timed = [t for t in open_loop["tries"] if t["join_ms"] is not None]
+    assert timed, "no try read a join from the engine's steps"
+    for t in timed:
+        assert t["num_joins"] >= 1
+        assert 0.8 * join <= t["join_ms"] <= 1.35 * join, t
+    if profile.join_ms is not None:  # a try with MIN_JOINS joiners: the profile keeps it
+        assert 0.8 * join <= profile.join_ms <= 1.35 * join
     drift = profile.raw["measured"]["drift"]  # max concurrency 4 before the sweep and in it
     top = profile.points[-1]
     if top.concurrency == 4:  # the sweep may stop climbing below it: then no check

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from tidegate.engines.cost import ConcurrencySteps, CurveBatch
 from tidegate.engines.profile import Curve
 from tidegate.sim.saturation import saturated_per_s
-from tidegate.sim.service import ConcurrencySteps, CurveBatch, ServiceModel
+from tidegate.sim.service import ServiceModel
 
 ITL = Curve((1.0, 8.0), (100.0, 200.0))  # ms per decode step, by sequences running
 

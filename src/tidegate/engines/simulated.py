@@ -5,12 +5,15 @@ fidelity benchmark against a stack whose engine is known. Outputs are determinis
 seed and input give the same vectors and tokens. A batch of embeddings lasts
 ``batch_latency_ms(batch size)``: its vectors are made first and the rest is slept.
 
-Generation runs the simulator's step model in wall time (``tidegate.sim.service``'s
+Generation runs the simulator's step model in wall time (``tidegate.engines.cost``'s
 ``ConcurrencySteps``, the one ``tidegate simulate`` charges): one loop steps every running
 sequence at once; a step where nobody joins lasts ``itl(running)``, prompts joining an idle
 engine together ``ttft`` of their number, and each prompt joining a batch that is decoding
 adds the profile's ``generate.join_ms``. A joiner's first token comes at the end of its
-step, each next one a step later. (Until 2026-12-04 each sequence slept ``ttft(running)``
+step, each next one a step later. Each step is timed as it ran (the sleep, and however late
+the event loop woke it) into the same ``StepTally`` the transformers engine keeps, so the
+worker exports ``tidegate_engine_step*`` and the profiler reads a join price from it as it
+does on a real model. (Until 2026-12-04 each sequence slept ``ttft(running)``
 then ``itl(running)`` per token on its own, so a prompt joining a busy engine cost the others
 nothing and the profile's join price was not charged: a stack on this engine served what the
 simulator would not.)
@@ -35,9 +38,10 @@ from tidegate.engines.base import (
     TokenEvent,
     Vectors,
 )
+from tidegate.engines.cost import ConcurrencySteps
 from tidegate.engines.profile import EngineProfile
+from tidegate.engines.steps import StepTally
 from tidegate.engines.text import CatchUp, StopScanner
-from tidegate.sim.service import ConcurrencySteps
 
 _WORDS = (
     "tide gate harbour vessel current anchor lantern signal river delta channel beacon "
@@ -148,6 +152,9 @@ class SimulatedGenerator:
         self._decoding: list[_Sequence] = []
         self._loop: asyncio.Task[None] | None = None
         self.steps_run = 0  # engine steps so far (tests)
+        # every step timed as it ran, as the transformers engine's own (the worker exports
+        # the table as tidegate_engine_step*, and the profiler prices a join from it)
+        self.steps = StepTally()
 
     @property
     def num_running(self) -> int:
@@ -180,7 +187,10 @@ class SimulatedGenerator:
         """The engine loop: a step of every running sequence at a time, while any runs."""
         while self._joining or self._decoding:
             self._prefilling, self._joining = self._joining, []
-            await _sleep(self.step_s(len(self._decoding), len(self._prefilling)))
+            decoding, joining = len(self._decoding), len(self._prefilling)
+            began = time.perf_counter()
+            await _sleep(self.step_s(decoding, joining))
+            self.steps.add(decoding, joining, time.perf_counter() - began)
             self.steps_run += 1
             stepped = self._decoding + self._prefilling  # (one that left is out of them)
             self._decoding, self._prefilling = [], []

@@ -42,8 +42,10 @@ later. So the point also reads the engine's own step table from the worker's /me
 (``tidegate.engines.steps``): each step where prompts joined a decoding batch, less a decode
 step of as many sequences in the same span, over its joiners, is ``join_ms``. The profile
 writes the last try's with at least ``MIN_JOINS`` joiners as ``generate.join_ms``, the price
-the simulator charges each joiner (sim/service.py); a worker without the table (another
-server, the simulated engine) leaves it out and the simulator prices a join from the curves.
+the simulator charges each joiner (engines/cost.py); a worker without the table (another
+server, an engine that does not time its steps) leaves it out and the simulator prices a
+join from the curves. The simulated engine keeps the table too: profiled through the
+gateway, it gives back about the ``join_ms`` it was given (tests/profile).
 
 The capacity the rate is a fraction of is what one replica answers when arrivals keep coming
 (``tidegate.sim.saturation``: the simulator, fed the closed-loop curves, offered twice the
@@ -52,7 +54,7 @@ it is at most the curve's best rate: past capacity a replica takes batches of ma
 the size cheapest per input (on the 2-CPU machine a batch of 32 cost 2.1-2.5x a batch of 16:
 78-95% of the best rate). For generation it is well below the closed loop's best throughput,
 where sequences joined an idle engine together and shared one prefill; arrivals that do not
-wait join a decoding batch a few at a time and each pays its own (sim/service.py). On the
+wait join a decoding batch a few at a time and each pays its own (engines/cost.py). On the
 2-CPU machine the closed loop's best was about 1.4x what the real stack answered in an open
 loop, so a point aimed at 85% of it was past capacity and had to be measured twice.
 """
@@ -71,12 +73,13 @@ from typing import Any
 
 import aiohttp
 
+from tidegate.engines.cost import ConcurrencySteps, CurveBatch
 from tidegate.engines.profile import Curve, MeasuredPoint
 from tidegate.profile.loadgen import Completion, RequestSpec, RequestStream, send
 from tidegate.profile.measure import percentile_ms
 from tidegate.profile.resources import ResourceMeter, usage_between
 from tidegate.sim.saturation import saturated_per_s
-from tidegate.sim.service import ConcurrencySteps, CurveBatch, ServiceModel
+from tidegate.sim.service import ServiceModel
 
 DEFAULT_FRACTION = 0.85  # of the open-loop capacity (module docstring)
 KEPT_UP = 0.95  # completed / offered at or above this: the stack kept up
@@ -225,7 +228,7 @@ def decoding_gaps(
     A gap whose step also prefilled a joining sequence (another stream's first token within
     half a gap of its end) is left out: the closed loop's sequences joined all at once and
     then only decoded, so its curve is decode steps, and the simulator costs the joins apart
-    (sim/service.py). The factor is then the decode steps' slowdown alone.
+    (engines/cost.py). The factor is then the decode steps' slowdown alone.
     """
     streams: list[list[float]] = []
     for c in completions:
