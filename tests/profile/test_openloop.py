@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tests.profile.test_outputs import EMBEDDINGS_POINTS, GENERATE_POINTS, SLO, point, record
 from tidegate.core.capacity import Slo
 from tidegate.engines.profile import Curve, EngineProfile, load_profile
+from tidegate.engines.steps import StepTotals
 from tidegate.errors import ConfigError
 from tidegate.profile.loadgen import Completion
 from tidegate.profile.openloop import (
@@ -22,9 +23,11 @@ from tidegate.profile.openloop import (
     closed_loop_curve,
     closed_loop_itl,
     curve_capacity,
+    decode_steps,
     decoding_gaps,
     embeddings_capacity,
     generation_capacity,
+    generation_curves,
     measured_join,
     spans_s,
     sustained_rps,
@@ -240,6 +243,41 @@ def test_the_closed_loop_itl_curve_and_capacity_have_every_sequence_running() ->
     assert curve.ys == pytest.approx((6.4, 7.2, 8.8, 20.0))  # the mean gaps
     assert capacity == 100.0  # the best throughput measured among them
     assert closed_loop_itl([], 16) is None
+
+
+def test_the_open_loop_factor_reads_the_engines_decode_steps_where_it_reports_them() -> None:
+    window = {
+        ("decode", 1): StepTotals(10, 0.11, 0),  # 11 ms each, the curve says 10
+        ("decode", 2): StepTotals(30, 0.66, 0),  # 22 ms each, the curve says 20
+        ("join", 2): StepTotals(5, 0.5, 5),  # steps with a prefill are left out
+        ("start", 1): StepTotals(3, 0.3, 3),
+    }
+    running, measured_ms, curve_ms = decode_steps(window, ITL) or (0, 0, 0)
+    assert running == pytest.approx((10 * 1 + 30 * 2) / 40)
+    assert measured_ms == pytest.approx(1e3 * 0.77 / 40)
+    assert curve_ms == pytest.approx((10 * 10.0 + 30 * 20.0) / 40)
+    assert measured_ms / curve_ms == pytest.approx(1.1)  # the factor
+    assert decode_steps(window, ITL, least=41) is None  # too few to tell
+    assert decode_steps({}, ITL) is None  # another server: the client's gaps instead
+
+
+def test_generation_curves_are_the_engines_own_steps_where_every_point_has_them() -> None:
+    client_only = generation_curves(GENERATE_POINTS[:4])
+    assert client_only[1].ys == pytest.approx((6.4, 7.2, 8.8, 20.0))  # the client's mean gaps
+    assert client_only[2] == "mean TTFT and inter-token latency per concurrency"
+    steps = [
+        dataclasses.replace(p, decode_step_ms=5.0 + p.concurrency, start_step_ms=start)
+        for p, start in zip(GENERATE_POINTS[:4], (40.0, None, None, None), strict=True)
+    ]
+    ttft, itl, source = generation_curves(steps)
+    assert itl.ys == (6.0, 7.0, 9.0, 21.0)  # the decode steps, not the gaps
+    # the start step where the point ran enough of them, the client's mean elsewhere
+    assert ttft.ys == (40.0, *(p.ttft_mean_ms for p in GENERATE_POINTS[1:4]))
+    assert "its step table" in source
+    assert "idle engine at 1," in source
+    # one point without the table (an older worker mid-run): the client's, all of them
+    mixed = [*steps[:3], dataclasses.replace(steps[3], decode_step_ms=None)]
+    assert generation_curves(mixed) == client_only
 
 
 def write_generation_profile(tmp_path: Path, *tries: OpenLoopPoint) -> EngineProfile:

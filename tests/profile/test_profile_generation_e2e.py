@@ -5,9 +5,10 @@
   recovers the known TTFT and ITL (a loaded machine only adds), and with more in flight what
   the closed loop measures stays within what the step model allows; the knee is the best
   point that kept its targets.
-- Through the gateway: the same worker inside ``tidegate serve``, and its open-loop point
-  (the token gaps of Poisson arrivals against the closed-loop inter-token curve) scales
-  both curves; the engine's step table gives back the join price it charges.
+- Through the gateway: the same worker inside ``tidegate serve``. The engine's step table
+  gives back its curves (decode steps by sequences running, a lone prompt's start) and the
+  join price it charges; its open-loop point (the engine's decode steps under Poisson
+  arrivals against the closed-loop curve) scales both curves.
 - Ctrl-C writes what was measured and leaves no worker behind.
 """
 
@@ -26,7 +27,7 @@ import pytest
 from tests.procs import TIDEGATE, child_env, stop, wait_for
 from tests.profile.profiling import FILES, PROFILE_TIMEOUT_S, run_profile, write_json
 from tidegate.engines.profile import Curve, load_profile
-from tidegate.profile.openloop import calibrated_curve, generation_capacity
+from tidegate.profile.openloop import calibrated_curve, generation_capacity, generation_curves
 
 pytestmark = pytest.mark.e2e
 
@@ -43,6 +44,14 @@ def within_load(measured: float, known: float) -> bool:
     (121 ms measured for 100 under two CPU hogs and the suite), never takes it away, so
     above it may reach 35%."""
     return known * 0.90 <= measured <= known * 1.35
+
+
+def known_itl(concurrency: float) -> float:
+    """The known inter-token time with ``concurrency`` sequences decoding (linear between)."""
+    return Curve(
+        tuple(float(r["concurrency"]) for r in KNOWN_GENERATE),
+        tuple(r["itl_ms"] for r in KNOWN_GENERATE),
+    )(concurrency)
 
 
 def known_worker(tmp_path: Path) -> tuple[Path, Path]:
@@ -82,10 +91,6 @@ def test_round_trip_of_a_generation_profile(tmp_path: Path) -> None:
     # The least it can cost is its own step with nobody else joining; the most, two steps
     # where every sequence joins.
     join = alone["ttft_ms"] - alone["itl_ms"]
-    known_itl = Curve(
-        tuple(float(r["concurrency"]) for r in KNOWN_GENERATE),
-        tuple(r["itl_ms"] for r in KNOWN_GENERATE),
-    )
     for point in profile.points[1:]:
         c = point.concurrency
         least, most = known_itl(c) + join, 2 * (known_itl(c) + c * join)
@@ -107,7 +112,7 @@ def test_round_trip_of_a_generation_profile(tmp_path: Path) -> None:
     assert {p.name for p in out.iterdir()} == FILES
 
 
-def test_through_the_gateway_the_open_loop_token_gaps_scale_both_curves(tmp_path: Path) -> None:
+def test_through_the_gateway_the_profile_gives_back_the_engine_it_measured(tmp_path: Path) -> None:
     known, trace = known_worker(tmp_path)
     out = tmp_path / "out"
     result = run_profile(
@@ -120,6 +125,17 @@ def test_through_the_gateway_the_open_loop_token_gaps_scale_both_curves(tmp_path
     assert result.returncode == 0, result.stderr
     assert "open loop: Poisson arrivals" in result.stderr
     profile = load_profile(out / "profile.json")
+    # Each closed-loop point read the engine's own steps: its decode step of as many sequences
+    # as were in flight is the known inter-token time, and at 1 in flight its step of a prompt
+    # joining an idle engine the known time to first token (a loaded machine only adds). The
+    # client's mean gaps are longer: a prompt joining a decoding batch lengthens its step.
+    for point in profile.points:
+        assert point.decode_step_ms is not None, point
+        assert within_load(point.decode_step_ms, known_itl(point.concurrency)), point
+    alone = profile.points[0]
+    assert alone.concurrency == 1
+    assert alone.start_step_ms is not None
+    assert within_load(alone.start_step_ms, KNOWN_GENERATE[0]["ttft_ms"])
     open_loop = profile.raw["measured"]["open_loop"]
     found = generation_capacity(profile.points, 4)
     assert found is not None
@@ -130,18 +146,16 @@ def test_through_the_gateway_the_open_loop_token_gaps_scale_both_curves(tmp_path
     chosen = next(t for t in reversed(open_loop["tries"]) if t["factor"] is not None)
     assert chosen["mean_batch_size"] is None  # generation: no batches, sequences decoding
     assert 1.0 <= chosen["mean_running"] <= 4.0  # max_num_seqs 4
-    # The engine sleeps the known curve between tokens: a loaded machine adds time, never
-    # takes it away, and the curve's expectation is within the known curve's range.
+    # The factor is the open loop's decode steps against the closed loop's at the same counts.
     assert chosen["itl_mean_ms"] >= 0.9 * 30.0
     assert 0.9 * 30.0 <= chosen["curve_ms"] <= 1.35 * 45.0
     factor = open_loop["factor"]
     assert factor == pytest.approx(chosen["itl_mean_ms"] / chosen["curve_ms"], rel=0.01)
     at = open_loop["at_mean_batch"]
     assert at == pytest.approx(chosen["mean_running"], abs=1e-3)  # (the try is rounded)
-    ttft = Curve(
-        tuple(float(p.concurrency) for p in profile.points),
-        tuple(p.ttft_mean_ms or 0.0 for p in profile.points),
-    )
+    ttft, steps_itl, source = generation_curves(profile.points)
+    assert steps_itl == itl
+    assert "the engine's own mean decode step" in source
     assert profile.ttft_ms == calibrated_curve(ttft, at, factor)
     assert profile.itl_ms == calibrated_curve(itl, at, factor)
     assert "open-loop factor" in profile.raw["measured"]["curve_source"]

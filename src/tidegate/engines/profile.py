@@ -81,6 +81,10 @@ class MeasuredPoint:
     itl_mean_ms: float | None = None
     batch_latency_ms: float | None = None  # mean engine time per batch (worker /metrics)
     mean_batch_size: float | None = None  # mean batch the worker formed (worker /metrics)
+    # generation, from the engine's own step table (worker /metrics, tidegate.engines.steps):
+    # its mean step with ``concurrency`` sequences all decoding, and all joining an idle engine
+    decode_step_ms: float | None = None
+    start_step_ms: float | None = None
     mean_input_tokens: float = 0.0  # from the server's usage counts
     mean_output_tokens: float = 0.0
     peak_memory_mb: float | None = None  # GPU memory on a GPU, else the worker's peak RSS

@@ -152,6 +152,15 @@ def table_between(first: StepTable, last: StepTable) -> dict[tuple[str, int], St
     return window
 
 
+def mean_step_ms(window: StepTable, kind: str, running: int, least: int = 1) -> float | None:
+    """The mean step of ``kind`` with ``running`` sequences over ``window``, in ms; None with
+    fewer than ``least`` such steps."""
+    cell = window.get((kind, running))
+    if cell is None or cell.num_steps < least:
+        return None
+    return 1e3 * cell.seconds / cell.num_steps
+
+
 def join_cost_ms(window: StepTable) -> JoinCost | None:
     """Each ``join`` step less the mean ``decode`` step of as many sequences running in the
     same window, over the joiners: None without a pair of those (a window where nobody joined

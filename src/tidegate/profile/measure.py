@@ -34,6 +34,7 @@ import numpy as np
 
 from tidegate.core.capacity import PointVerdict, StabilityRule, WindowStats, decide_point
 from tidegate.engines.profile import MeasuredPoint
+from tidegate.engines.steps import mean_step_ms
 from tidegate.profile.loadgen import Completion, LoadGenerator, Recorder, RequestStream
 from tidegate.profile.resources import ResourceMeter, Snapshot, usage_between
 
@@ -224,6 +225,8 @@ def summarize(
         itl_mean_ms=itl[3] if generate else None,
         batch_latency_ms=_maybe_round(usage.batch_latency_ms),
         mean_batch_size=_maybe_round(usage.mean_batch_size),
+        decode_step_ms=_maybe_round(mean_step_ms(usage.steps, "decode", spec.concurrency, 3)),
+        start_step_ms=_maybe_round(mean_step_ms(usage.steps, "start", spec.concurrency, 3)),
         mean_input_tokens=_round(input_tokens / len(ok)) if ok else 0.0,
         mean_output_tokens=_round(output_tokens / len(ok)) if ok else 0.0,
         peak_memory_mb=_round(max(memory)) if memory else None,

@@ -26,16 +26,20 @@ stays at it above: the slowdown comes with load, and load is what forms larger b
 closed-loop points, the knee and the recommended settings are unchanged; ``measured.open_loop``
 in profile.json holds every open-loop try and the factor used.
 
-Generation's factor is measured as its closed-loop curve was, from the client's side: every
-streamed token is one engine step of the sequences decoding then, so the client's own token
-stamps measure it:
-each gap between two tokens of a request is set against the closed-loop inter-token curve at
-the number of sequences decoding at the gap's middle (those between their first and last
-token), leaving out the gaps of steps that also prefilled a joining sequence (the closed
-loop's curve is of decode steps; the simulator costs joins apart). The factor is the sum of
-the measured gaps over the sum of the curve's, and the "batch" it is measured at is the mean
-of those counts; both curves the simulator replays (time to first token and inter-token
-latency, by running sequences) are scaled by it the same way.
+Generation's factor is measured as its closed-loop curve was (``generation_curves``). Where
+the worker reports its engine's own steps (``tidegate.engines.steps``), from them: the
+span's decode steps (nobody joining) against the closed-loop curve, the engine's decode step
+by sequences running, at each step's count. Without the table (another server), from the
+client's side (``decoding_gaps``): every streamed token is one engine step of the sequences
+decoding then, so each gap between two tokens of a request is set against the closed-loop
+inter-token curve at the number of sequences decoding at the gap's middle (those between
+their first and last token), leaving out the gaps of steps that also prefilled a joining
+sequence. The factor is the sum of the measured steps or gaps over the sum of the curve's,
+and the "batch" it is measured at is the mean of those counts; both curves the simulator
+replays (time to first token and inter-token latency, by running sequences) are scaled by
+it the same way. (The client's gaps and counts are the weaker measure: profiling the
+simulated engine of a known profile, whose open loop decodes exactly as its closed loop,
+they put the factor at 0.84, the engine's steps at about 1.)
 
 What the client cannot see is the step that prefilled a joiner: its first token comes a step
 later. So the point also reads the engine's own step table from the worker's /metrics
@@ -75,6 +79,7 @@ import aiohttp
 
 from tidegate.engines.cost import ConcurrencySteps, CurveBatch
 from tidegate.engines.profile import Curve, MeasuredPoint
+from tidegate.engines.steps import StepTable
 from tidegate.profile.loadgen import Completion, RequestSpec, RequestStream, send
 from tidegate.profile.measure import percentile_ms
 from tidegate.profile.resources import ResourceMeter, usage_between
@@ -90,6 +95,7 @@ MIN_ARRIVALS = 40  # ... and long enough for this many arrivals (a slow generati
 DRAIN_S = 10.0  # what is in flight at the end may take this long, then is cut off
 TRIES = 2  # the second only when the first did not keep up
 MIN_JOINS = 20  # joiners a try's step table must hold for its join price to be written
+MIN_DECODE_STEPS = 20  # decode steps a try's table must hold for the factor to come from it
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +112,9 @@ class OpenLoopPoint:
     batch_latency_ms: float | None  # the worker's mean engine time per batch, same span
     curve_ms: float | None  # the closed-loop curve at that mean batch (generation: mean gap)
     duration_s: float
-    # Generation (module docstring): the mean number of sequences decoding at each token gap,
-    # and the mean gap measured; curve_ms is then the closed-loop curve's mean over the gaps.
+    # Generation (module docstring): the mean number of sequences decoding at each of the
+    # engine's decode steps (else each client token gap), and the mean step (gap) measured;
+    # curve_ms is then the closed-loop curve's mean over the same steps (gaps).
     mean_running: float | None = None
     itl_mean_ms: float | None = None
     capacity_rps: float | None = None  # the capacity the rate was ``fraction`` of
@@ -161,14 +168,50 @@ def closed_loop_curve(points: Sequence[MeasuredPoint]) -> Curve | None:
     return _sorted_curve(pairs) if pairs else None
 
 
+def generation_curves(running: Sequence[MeasuredPoint]) -> tuple[Curve, Curve, str]:
+    """The closed loop's time to first token and inter-token curves by sequences running, of
+    ``running`` (closed-loop points with none queued, at least one), and where they came from.
+
+    Where the worker reports its engine's own steps (``tidegate.engines.steps``), the curves
+    are what the simulator charges a step, not what a client saw around it. The client's mean
+    gap between tokens at ``c`` in flight is not a decode step of ``c``: the closed loop's
+    clients drift out of step, so a prompt mostly joins a batch that is decoding, and the gaps
+    of those steps carry its prefill (profiling the simulated engine of a known profile, the
+    client's gaps came out 1.22x and 1.24x its decode steps at 2 and 4 in flight). The
+    simulator charges joins apart (``generate.join_ms``), so ``itl(c)`` is then the engine's
+    mean decode step of ``c``, and ``ttft(c)`` its mean step of ``c`` prompts joining an idle
+    engine at once where the point ran such steps (at 1 in flight every step starts one),
+    else the client's mean time to first token. Without the table (another server), both are
+    the client's means."""
+    if not all(p.decode_step_ms is not None for p in running):
+        ttft = _sorted_curve({float(p.concurrency): p.ttft_mean_ms or 0.0 for p in running})
+        itl = _sorted_curve({float(p.concurrency): p.itl_mean_ms or 0.0 for p in running})
+        return ttft, itl, "mean TTFT and inter-token latency per concurrency"
+    ttft = _sorted_curve(
+        {
+            float(p.concurrency): p.start_step_ms
+            if p.start_step_ms is not None
+            else p.ttft_mean_ms or 0.0
+            for p in running
+        }
+    )
+    itl = _sorted_curve({float(p.concurrency): p.decode_step_ms or 0.0 for p in running})
+    started = sorted(p.concurrency for p in running if p.start_step_ms is not None)
+    source = (
+        "the engine's own mean decode step per sequences running (its step table); time to "
+        "first token: its mean step of that many prompts joining an idle engine at "
+        f"{', '.join(map(str, started)) or 'no point'}, the client's mean elsewhere"
+    )
+    return ttft, itl, source
+
+
 def closed_loop_itl(points: Sequence[MeasuredPoint], max_seqs: int) -> tuple[Curve, float] | None:
     """Generation: the closed-loop inter-token curve by running sequences, and the best
     throughput (requests/s) measured with at most ``max_seqs`` in flight (all of them running)."""
     running = _running(points, max_seqs)
     if not running:
         return None
-    pairs = {float(p.concurrency): p.itl_mean_ms or 0.0 for p in running}
-    return _sorted_curve(pairs), max(p.throughput_rps for p in running)
+    return generation_curves(running)[1], max(p.throughput_rps for p in running)
 
 
 def generation_capacity(
@@ -183,7 +226,7 @@ def generation_capacity(
     running = [p for p in _running(points, max_seqs) if p.ttft_mean_ms is not None]
     if not running or best <= 0:
         return itl, best, best
-    ttft = _sorted_curve({float(p.concurrency): p.ttft_mean_ms or 0.0 for p in running})
+    ttft, itl, _ = generation_curves(running)
     output = max(1, round(sum(p.mean_output_tokens for p in running) / len(running)))
     service = ServiceModel("closed loop", "generate", step=ConcurrencySteps(ttft, itl))
     capacity = saturated_per_s(service, max_seqs, 2 * best, output)
@@ -256,6 +299,24 @@ def decoding_gaps(
     if not num_gaps or expected <= 0:
         return None
     return counts / num_gaps, 1e3 * measured / num_gaps, expected / num_gaps
+
+
+def decode_steps(
+    window: StepTable, curve: Curve, least: int = MIN_DECODE_STEPS
+) -> tuple[float, float, float] | None:
+    """Over the engine's decode steps of ``window``: the mean number of sequences running,
+    the mean step (ms) and the closed-loop ``curve``'s mean at those counts; None with fewer
+    than ``least`` of them."""
+    steps = counts = measured_s = expected_ms = 0.0
+    for (kind, running), cell in window.items():
+        if kind == "decode":
+            steps += cell.num_steps
+            counts += running * cell.num_steps
+            measured_s += cell.seconds
+            expected_ms += curve(running) * cell.num_steps
+    if steps < least or expected_ms <= 0:
+        return None
+    return counts / steps, 1e3 * measured_s / steps, expected_ms / steps
 
 
 def spans_s(
@@ -361,7 +422,9 @@ async def measure_open_loop(
     curve_ms = None if mean_batch is None else curve(mean_batch)
     running = itl_ms = join_ms = num_joins = None
     if generate:  # the client's token stamps, not the worker's batches (module docstring)
-        gaps = decoding_gaps([c for _, c in answered], curve, first.at, last.at)
+        gaps = decode_steps(usage.steps, curve) or decoding_gaps(
+            [c for _, c in answered], curve, first.at, last.at
+        )
         mean_batch = batch_ms = None
         running, itl_ms, curve_ms = gaps if gaps is not None else (None, None, None)
         if usage.join is not None:

@@ -19,7 +19,12 @@ import yaml
 
 from tidegate import __version__
 from tidegate.engines.profile import Curve, EngineProfile, MeasuredPoint, profile_data
-from tidegate.profile.openloop import calibrated_curve, chosen, measured_join
+from tidegate.profile.openloop import (
+    calibrated_curve,
+    chosen,
+    generation_curves,
+    measured_join,
+)
 from tidegate.profile.options import ProfileOptions
 from tidegate.profile.plots import write_report_png
 from tidegate.profile.recommend import Recommendation, Setting, slo_text
@@ -71,9 +76,9 @@ def _curves(
             and p.num_requests > 0  # a point cut before any answer measured nothing
             and (not o.local or p.concurrency <= o.max_batch)
         ]
-        ttft = _curve({p.concurrency: p.ttft_mean_ms or 0.0 for p in running})
-        itl = _curve({p.concurrency: p.itl_mean_ms or 0.0 for p in running})
-        return None, ttft, itl, "mean TTFT and inter-token latency per concurrency"
+        if not running:
+            return None, None, None, "mean TTFT and inter-token latency per concurrency"
+        return (None, *generation_curves(running))
     batch = [p for p in points if p.sweep == "batch" and p.batch_latency_ms is not None]
     if not batch:
         batch = [p for p in points if p.batch_latency_ms is not None]

@@ -13,8 +13,9 @@ two is what the window cost:
 - Batch counters: ``tidegate_batch_size`` and ``tidegate_batch_duration_seconds`` from a
   tidegate worker's /metrics, giving the mean batch and the engine time per batch; for a
   generation worker the engine's step table (``tidegate_engine_step*``,
-  ``tidegate.engines.steps``), giving what a prompt joining a decoding batch costs. Other
-  servers (vLLM) have none: those fields stay empty.
+  ``tidegate.engines.steps``), giving what a prompt joining a decoding batch costs and the
+  engine's own decode and start steps of each point. Other servers (vLLM) have none: those
+  fields stay empty.
 
 psutil and nvidia-ml-py (both in the ``engine`` extra) are imported lazily; without
 them the fields they feed are empty, never guessed.
@@ -77,6 +78,7 @@ class Usage:
     batch_latency_ms: float | None
     mean_batch_size: float | None
     join: JoinCost | None = None  # generation: a joiner's price over the stretch
+    steps: StepTable = field(default_factory=dict)  # generation: the engine's steps in it
 
 
 def usage_between(first: Snapshot, last: Snapshot) -> Usage:
@@ -86,14 +88,16 @@ def usage_between(first: Snapshot, last: Snapshot) -> Usage:
     busy = _rate(first.machine_busy_s, last.machine_busy_s, span)
     other = None if busy is None else max(0.0, busy - own - (worker or 0.0))
     batches = latency = mean_batch = join = None
+    steps: StepTable = {}
     if first.counters is not None and last.counters is not None:
         batches = last.counters.num_batches - first.counters.num_batches
         if batches > 0:
             seconds = last.counters.batch_seconds - first.counters.batch_seconds
             latency = 1e3 * seconds / batches
             mean_batch = (last.counters.batched_inputs - first.counters.batched_inputs) / batches
-        join = join_cost_ms(table_between(first.counters.steps, last.counters.steps))
-    return Usage(worker, own, other, batches, latency, mean_batch, join)
+        steps = table_between(first.counters.steps, last.counters.steps)
+        join = join_cost_ms(steps)
+    return Usage(worker, own, other, batches, latency, mean_batch, join, steps)
 
 
 def _rate(first: float | None, last: float | None, span: float) -> float | None:
