@@ -47,10 +47,11 @@ itself), and with the simulator. Printed beside the verdicts, not a target: a si
 cannot be asked to agree with a stack more closely than the stack agrees with itself.
 Also printed, not a target: each judged percentile replayed with the engine 3% faster and
 3% slower (``--sensitivity``), and how many come within 15% somewhere in that range; and
-each run replayed with its own engine time (every batch or step scaled by the engine time
-per batch the worker reported in the run, or for generation by the run's real over simulated
-decode time per token), which judges the simulator's model of the stack apart from how far
-the engine's speed moved between the profile and the run.
+each run replayed with its own engine time (``tidegate simulate --validate
+--own-engine-time``: every batch scaled by the engine time per batch the worker reported in
+the run, or for generation the step prices of the engine's own step table over the run),
+which judges the simulator's model of the stack apart from how far the engine's speed moved
+between the profile and the run.
 
 Run (a through-gateway profile, about 1.5 minutes, then about 1.5 minutes per policy, for
 each load):
@@ -91,9 +92,10 @@ from tidegate.engines.profile import EngineProfile, load_profile
 from tidegate.engines.steps import StepTable, join_cost_ms, parse_step_metrics, table_between
 from tidegate.profile.openloop import curve_capacity
 from tidegate.sim.saturation import saturated_per_s
-from tidegate.sim.service import from_profile, load_service, scaled
+from tidegate.sim.service import from_profile, load_service
 from tidegate.sim.traces import open_trace
 from tidegate.sim.validate import (
+    EngineBatches,
     Figure,
     RecordedRun,
     RunRequest,
@@ -101,6 +103,7 @@ from tidegate.sim.validate import (
     Tolerances,
     compare,
     measured_side,
+    own_engine_service,
     relative,
     validate,
     validation_data,
@@ -597,7 +600,8 @@ def real_run(
             steps_before = worker_steps(child.url)
             streamed = asyncio.run(stream_schedule(child.url, arrivals, args.drain_s))
             batches = Batches(0, 0, 0)
-            join = join_cost_ms(table_between(steps_before, worker_steps(child.url)))
+            steps = table_between(steps_before, worker_steps(child.url))
+            join = join_cost_ms(steps)
         else:
             schedule = [(a.arrival_s, a.priority or "low") for a in arrivals]
             before = worker_batches(child.url)
@@ -631,7 +635,9 @@ def real_run(
             # what a prompt joining a decoding batch cost in the run, from the engine's steps
             "engine_join": None if join is None else join.describe(),
         }
-        run = RecordedRun(MODEL, SPEC.task, config, generated, idle_s, str(path), meta)
+        run = RecordedRun(
+            MODEL, SPEC.task, config, generated, idle_s, str(path), meta, engine_steps=steps
+        )
         return run, batches
     requests = tuple(
         RunRequest(
@@ -654,7 +660,17 @@ def real_run(
         "cpus": os.cpu_count(),
         "worker_batches": asdict(batches),  # what the worker's /metrics said of the run
     }
-    run = RecordedRun(MODEL, "embeddings", config, requests, idle_s, str(path), meta, idle_engine_s)
+    run = RecordedRun(
+        MODEL,
+        "embeddings",
+        config,
+        requests,
+        idle_s,
+        str(path),
+        meta,
+        idle_engine_s,
+        engine_batches=EngineBatches(batches.count, batches.mean_size, batches.mean_ms),
+    )
     return run, batches
 
 
@@ -678,10 +694,11 @@ def one_run(
         }
         outcome = RunOutcome(load, policy, list(validation.figures), notes, run=run)
         if sim_ms > 0 and math.isfinite(real_ms / sim_ms):
-            # the run's own engine speed: every step as much slower as its decode was
-            factor = real_ms / sim_ms
-            again, _, _ = validate(run, scaled(service, factor), TOLERANCES)
-            notes["rescale_factor"] = factor
+            notes["rescale_factor"] = real_ms / sim_ms  # decode time per token, real / sim
+        if run.engine_steps:
+            # the run's own engine speed: its step table's decode, start and join prices
+            own = own_engine_service(run, load_profile(args.profile), args.profile.name)
+            again, _, _ = validate(run, own, TOLERANCES)
             notes["rescaled_validation"] = validation_data(again)
             outcome.rescaled = list(again.figures)
         return outcome
@@ -704,9 +721,10 @@ def one_run(
     outcome = RunOutcome(load, policy, list(validation.figures), notes, run=run)
     profiled_ms = service.batch.batch_s(max(1, round(real_batches.mean_size)), 0) * 1e3
     if real_batches.count and profiled_ms > 0:
-        factor = real_batches.mean_ms / profiled_ms
-        again, _, _ = validate(run, scaled(service, factor), TOLERANCES)
-        notes["rescale_factor"] = factor
+        notes["rescale_factor"] = real_batches.mean_ms / profiled_ms
+        # the run's own engine speed: what tidegate simulate --validate --own-engine-time does
+        own = own_engine_service(run, load_profile(args.profile), args.profile.name)
+        again, _, _ = validate(run, own, TOLERANCES)
         notes["rescaled_network_ms"] = again.network_s * 1e3
         notes["rescaled_validation"] = validation_data(again)
         outcome.rescaled = list(again.figures)
@@ -777,7 +795,7 @@ def noise_floor(repeats: list[Repeat]) -> list[str]:
 def rescaled_lines(outcomes: list[RunOutcome]) -> list[str]:
     """p50/p95 errors with the profile rescaled to each run's own engine time (diagnostic)."""
     lines = [
-        "| run | profile x | class | p50 error | p95 error | throughput error |",
+        "| run | engine x (token or batch) | class | p50 error | p95 error | throughput error |",
         "|---|---:|---|---:|---:|---:|",
     ]
     judged: list[Figure] = []

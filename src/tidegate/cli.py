@@ -522,6 +522,13 @@ def simulate(
         Path | None,
         typer.Option(help="Fleet-level mode: a fleet file (docs/simulator.md), every model."),
     ] = None,
+    own_engine_time: Annotated[
+        bool,
+        typer.Option(
+            "--own-engine-time",
+            help="With --validate: the engine's speed from the run's own worker figures.",
+        ),
+    ] = False,
 ) -> None:
     """Replay a trace or a synthetic workload through the scheduler's own policies."""
     from tidegate.errors import ConfigError
@@ -536,11 +543,16 @@ def simulate(
     if sensitivity and validate is None:
         typer.echo("error: --sensitivity needs --validate RUN (it varies a replay)", err=True)
         raise typer.Exit(2)
+    if own_engine_time and validate is None:
+        typer.echo("error: --own-engine-time needs --validate RUN (it reads the run)", err=True)
+        raise typer.Exit(2)
     if validate is not None:
         from tidegate.sim.command import validate_run
 
         try:
-            text, passed = validate_run(validate, profile, config, out, sensitivity)
+            text, passed = validate_run(
+                validate, profile, config, out, sensitivity, own_engine_time
+            )
         except (ConfigError, ValueError) as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None

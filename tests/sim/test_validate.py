@@ -11,6 +11,7 @@ import json
 import math
 import random
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +19,21 @@ import pytest
 from typer.testing import CliRunner
 
 from tidegate.cli import app
+from tidegate.engines.profile import Curve, EngineProfile
+from tidegate.engines.steps import StepTotals
 from tidegate.errors import ConfigError
 from tidegate.sim.run import Scenario, Simulation
+from tidegate.sim.service import from_profile
 from tidegate.sim.validate import (
     STATUS_OF_OUTCOME,
+    EngineBatches,
     Figure,
     RecordedRun,
     RunRequest,
     Side,
     compare,
     load_run,
+    own_engine_service,
     validate,
     write_run,
 )
@@ -192,7 +198,8 @@ GENERATE_CONFIG: dict[str, Any] = {
 }
 
 
-def test_a_generation_run_compares_time_to_first_token_and_end_to_end() -> None:
+def generation_run(step_ms: float) -> RecordedRun:
+    """A generation run of the simulator whose every engine step took ``step_ms``."""
     draw = random.Random(3)
     at, schedule = 0.0, []
     for _ in range(200):
@@ -201,7 +208,7 @@ def test_a_generation_run_compares_time_to_first_token_and_end_to_end() -> None:
     scenario = Scenario(
         config_of(GENERATE_CONFIG),
         "g",
-        flat_step_service(20.0),
+        flat_step_service(step_ms),
         Listed("t", schedule),
         {"shared": 1},
         keep_requests=True,
@@ -215,7 +222,11 @@ def test_a_generation_run_compares_time_to_first_token_and_end_to_end() -> None:
         requests.append(
             RunRequest(a.arrival_s, a.priority, 30, 6, status, record.e2e_s, record.ttft_s)
         )
-    run = RecordedRun("g", "generate", GENERATE_CONFIG, tuple(requests), None, "g.json")
+    return RecordedRun("g", "generate", GENERATE_CONFIG, tuple(requests), None, "g.json")
+
+
+def test_a_generation_run_compares_time_to_first_token_and_end_to_end() -> None:
+    run = generation_run(20.0)
     validation, _, _ = validate(run, flat_step_service(20.0))
     names = {f.name for f in validation.figures}
     assert {"ttft p50 ms", "ttft p95 ms", "e2e p50 ms", "e2e p95 ms"} <= names
@@ -317,3 +328,58 @@ def test_the_command_prints_the_spread_columns_and_needs_validate(tmp_path: Path
     assert "--sensitivity needs --validate" in alone.output
     too_far = runner.invoke(app, [*args[:-1], "0.6", "--validate", str(tmp_path / "run.json")])
     assert too_far.exit_code == 2
+
+
+def flat_profile(task: str, ms: float) -> EngineProfile:
+    """The profile of ``flat_batch_service`` / ``flat_step_service``."""
+    curve = Curve((1.0,), (ms,))
+    if task == "generate":
+        return EngineProfile("flat", task, ttft_ms=curve, itl_ms=curve)
+    return EngineProfile("flat", task, batch_latency_ms=curve)
+
+
+def test_own_engine_time_takes_the_generation_steps_from_the_run(tmp_path: Path) -> None:
+    # The run's worker saw every step take 20 ms (decode, start, and joins that cost their
+    # step nothing more, as flat_step_service charges); the profile says 40.
+    table = {("decode", n): StepTotals(10, 0.2, 0) for n in (1, 2, 3, 4)}
+    table.update({("start", n): StepTotals(5, 0.1, 5 * n) for n in (1, 2)})
+    table.update({("join", n): StepTotals(5, 0.1, 5) for n in (2, 3, 4)})
+    run = replace(generation_run(20.0), engine_steps=table)
+    write_run(tmp_path / "g.json", run)
+    again = load_run(tmp_path / "g.json")
+    assert again.engine_steps == table
+    plain, _, _ = validate(again, from_profile(flat_profile("generate", 40.0), "p"))
+    assert not plain.passed  # the profile's speed is not the run's
+    own = own_engine_service(again, flat_profile("generate", 40.0), "p")
+    validation, _, _ = validate(again, own)
+    for figure in validation.figures:
+        assert figure.measured == pytest.approx(figure.simulated, rel=1e-3, abs=1e-3), figure
+    assert validation.passed
+    with pytest.raises(ConfigError, match="engine_steps"):
+        own_engine_service(generation_run(20.0), flat_profile("generate", 40.0), "p")
+    with pytest.raises(ConfigError, match="task"):
+        own_engine_service(again, flat_profile("embeddings", 40.0), "p")
+
+
+def test_own_engine_time_scales_embeddings_batches_by_the_runs_own(tmp_path: Path) -> None:
+    run = recorded_from_simulation(32.0, arrivals(60.0, 600))  # batches of 32 ms
+    write_run(tmp_path / "run.json", replace(run, engine_batches=EngineBatches(200, 2.5, 32.0)))
+    assert load_run(tmp_path / "run.json").engine_batches == EngineBatches(200, 2.5, 32.0)
+    runner = CliRunner()
+    args = ["simulate", "--validate", str(tmp_path / "run.json")]
+    args += ["--profile", profile_file(tmp_path, 20)]  # the profile says 20 ms
+    assert runner.invoke(app, args).exit_code == 1  # MISS at the profile's speed
+    own = runner.invoke(app, [*args, "--own-engine-time"])
+    assert own.exit_code == 0, own.output  # PASS at the run's own
+    assert "the run's own speed" in own.output
+    write_run(tmp_path / "bare.json", run)
+    bare = runner.invoke(app, [*args[:1], "--validate", str(tmp_path / "bare.json"), *args[3:]])
+    assert bare.exit_code == 1  # (no figures recorded: a plain replay still works)
+    missing = runner.invoke(
+        app, [*args[:1], "--validate", str(tmp_path / "bare.json"), *args[3:], "--own-engine-time"]
+    )
+    assert missing.exit_code == 2
+    assert "engine_batches" in missing.output
+    alone = runner.invoke(app, ["simulate", "--own-engine-time"])
+    assert alone.exit_code == 2
+    assert "--own-engine-time needs --validate" in alone.output

@@ -32,10 +32,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tidegate.engines.profile import Curve, EngineProfile
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +184,71 @@ def join_cost_ms(window: StepTable) -> JoinCost | None:
         num_joins=round(joins),
         decode_ms=1e3 * decode_s / steps,
     )
+
+
+def profile_at_steps(profile: EngineProfile, window: StepTable, least: int = 3) -> EngineProfile:
+    """``profile`` with the engine's own steps of ``window`` for its step prices: what the
+    simulator charges a run whose worker reported them (``tidegate simulate --validate
+    --own-engine-time``).
+
+    The inter-token curve becomes the window's mean decode step at every count of sequences
+    with at least ``least`` decode steps (only those points: the profile's were another
+    moment's speed); the time to first token curve takes the window's mean start step (every
+    sequence joining an idle engine) where it has ``least`` of them and keeps the profile's
+    elsewhere; the join price is the window's (``join_cost_ms``). A price the window did not
+    measure stays the profile's."""
+    if profile.ttft_ms is None or profile.itl_ms is None:
+        return profile
+
+    def means(kind: str) -> dict[float, float]:
+        return {
+            float(running): 1e3 * cell.seconds / cell.num_steps
+            for (k, running), cell in window.items()
+            if k == kind and cell.num_steps >= least
+        }
+
+    decode, start = means("decode"), means("start")
+    itl = _curve_of(decode) if decode else profile.itl_ms
+    ttft = _curve_of({**dict(zip(profile.ttft_ms.xs, profile.ttft_ms.ys, strict=True)), **start})
+    join = join_cost_ms(window)
+    return replace(
+        profile,
+        ttft_ms=ttft,
+        itl_ms=itl,
+        join_ms=profile.join_ms if join is None else join.join_ms,
+    )
+
+
+def _curve_of(points: Mapping[float, float]) -> Curve:
+    xs = tuple(sorted(points))
+    return Curve(xs, tuple(points[x] for x in xs))
+
+
+def step_rows(window: StepTable) -> list[dict[str, Any]]:
+    """A step table as JSON rows (a run file's ``engine_steps``)."""
+    return [
+        {
+            "kind": kind,
+            "running": running,
+            "steps": cell.num_steps,
+            "seconds": round(cell.seconds, 6),
+            "joins": cell.num_joins,
+        }
+        for (kind, running), cell in sorted(window.items())
+    ]
+
+
+def table_of_rows(rows: Iterable[Mapping[str, Any]]) -> dict[tuple[str, int], StepTotals]:
+    """``step_rows`` read back (KeyError, TypeError, ValueError on a bad row)."""
+    table = {}
+    for row in rows:
+        kind = str(row["kind"])
+        if kind not in ("decode", "join", "start"):
+            raise ValueError(f"unknown step kind {kind!r}")
+        table[(kind, int(row["running"]))] = StepTotals(
+            float(row["steps"]), float(row["seconds"]), float(row.get("joins", 0))
+        )
+    return table
 
 
 def parse_step_metrics(text: str) -> StepTable:

@@ -223,12 +223,15 @@ def validate_run(
     config: Path | None,
     out: Path | None,
     sensitivity: float = 0.0,
+    own_engine_time: bool = False,
 ) -> tuple[str, bool]:
     """``--validate RUN``: the run replayed (sim.validate); the text and whether it passed.
 
     ``--profile`` is required (the service model to check); ``--config`` replaces the config
     the run recorded; ``--sensitivity S`` replays it also with the engine S faster and S
-    slower. ``out/validation.json`` gets the figures.
+    slower; ``--own-engine-time`` takes the engine's speed from the run's own worker figures
+    (``own_engine_service``; a profile.json, not a perf_model table). ``out/validation.json``
+    gets the figures.
     """
     import json
 
@@ -243,11 +246,22 @@ def validate_run(
         from dataclasses import replace
 
         run = replace(run, config=yaml.safe_load(config.read_text()))
-    validation, _, _ = validate(run, load_service(profile), sensitivity=sensitivity)
+    if own_engine_time:
+        from tidegate.engines.profile import load_profile
+        from tidegate.sim.validate import own_engine_service
+
+        if profile.partition("#")[0].endswith(".csv"):
+            raise ValueError("--own-engine-time needs a profile.json, not a perf_model table")
+        service = own_engine_service(run, load_profile(profile), Path(profile).name)
+    else:
+        service = load_service(profile)
+    validation, _, _ = validate(run, service, sensitivity=sensitivity)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "validation.json").write_text(json.dumps(validation_data(validation), indent=2))
     title = f"{run_path.name}: {run.model} ({run.task}), policy {_policy(run.config)}"
+    if own_engine_time:
+        title += ", the engine at the run's own speed (its worker's figures)"
     return render(validation, title), validation.passed
 
 

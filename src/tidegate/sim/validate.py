@@ -31,14 +31,16 @@ import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tidegate.config.loading import parse_config
+from tidegate.engines.profile import EngineProfile
+from tidegate.engines.steps import StepTable, profile_at_steps, step_rows, table_of_rows
 from tidegate.errors import ConfigError
 from tidegate.sim.run import RunResult, Scenario, Simulation
-from tidegate.sim.service import ServiceModel, scaled
+from tidegate.sim.service import ServiceModel, from_profile, scaled
 from tidegate.sim.workload import Arrival, Listed
 
 RUN_FORMAT = "tidegate-run"
@@ -82,6 +84,20 @@ class RecordedRun:
     source: str = "<run>"
     meta: Mapping[str, Any] = field(default_factory=dict)  # who recorded it, when, where
     idle_engine_s: float | None = None  # embeddings: the worker's engine time per lone batch
+    # What the worker's /metrics said of the run's engine (``own_engine_service``):
+    # generation, its step table over the run (tidegate.engines.steps); embeddings, its
+    # batches: how many, their mean size and mean engine time in ms.
+    engine_steps: StepTable | None = None
+    engine_batches: EngineBatches | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineBatches:
+    """The worker's batches over a run, from its /metrics."""
+
+    count: float
+    mean_size: float
+    mean_ms: float
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,8 @@ def run_data(run: RecordedRun) -> dict[str, Any]:
         else round(run.idle_round_trip_s * 1e3, 3),
         "idle_engine_ms": None if run.idle_engine_s is None else round(run.idle_engine_s * 1e3, 3),
         "meta": dict(run.meta),
+        "engine_steps": None if run.engine_steps is None else step_rows(run.engine_steps),
+        "engine_batches": None if run.engine_batches is None else asdict(run.engine_batches),
         "requests": [
             {
                 "at_s": round(r.at_s, 6),
@@ -170,6 +188,20 @@ def parse_run(data: Any, source: str) -> RecordedRun:
         raise ConfigError(source, "requests", "empty", fix)
     idle = data.get("idle_round_trip_ms")
     engine = data.get("idle_engine_ms")
+    steps = batches = None
+    try:
+        if data.get("engine_steps") is not None:
+            steps = table_of_rows(data["engine_steps"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(source, "engine_steps", f"bad step row ({exc})", fix) from None
+    try:
+        if data.get("engine_batches") is not None:
+            raw = data["engine_batches"]
+            batches = EngineBatches(
+                float(raw["count"]), float(raw["mean_size"]), float(raw["mean_ms"])
+            )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(source, "engine_batches", f"bad batches ({exc})", fix) from None
     return RecordedRun(
         str(data["model"]),
         str(data["task"]),
@@ -179,7 +211,36 @@ def parse_run(data: Any, source: str) -> RecordedRun:
         source,
         dict(data.get("meta") or {}),
         None if engine is None else float(engine) / 1e3,
+        steps,
+        batches,
     )
+
+
+def own_engine_service(run: RecordedRun, profile: EngineProfile, source: str) -> ServiceModel:
+    """The profile at the engine's own speed in ``run``, as its worker reported it: for
+    generation the run's step table for the step prices (``profile_at_steps``), for
+    embeddings every batch scaled by the run's mean engine time over the profile's at the
+    run's mean batch. Not a prediction: a replay that takes the engine's speed from the run
+    itself, so that what is left between the two sides is the simulator's model of the
+    stack around the engine (docs/simulator.md)."""
+    fix = (
+        "record the worker's engine figures with the run (benchmarks/bench_sim_fidelity.py "
+        "writes them) or drop --own-engine-time"
+    )
+    if profile.task != run.task:
+        raise ConfigError(source, "task", f"a {profile.task} profile for a {run.task} run", fix)
+    if run.task == "generate":
+        if not run.engine_steps:
+            raise ConfigError(run.source, "engine_steps", "missing: no step table", fix)
+        return from_profile(profile_at_steps(profile, run.engine_steps), source)
+    batches = run.engine_batches
+    service = from_profile(profile, source)
+    if batches is None or batches.count <= 0 or service.batch is None:
+        raise ConfigError(run.source, "engine_batches", "missing: no batches", fix)
+    profiled_ms = service.batch.batch_s(max(1, round(batches.mean_size)), 0) * 1e3
+    if profiled_ms <= 0:
+        raise ConfigError(source, "embeddings", "the curve is 0 at the run's mean batch", fix)
+    return scaled(service, batches.mean_ms / profiled_ms)
 
 
 def _seconds(ms: Any) -> float | None:
