@@ -48,3 +48,11 @@ def test_step_rows_read_back() -> None:
         table_of_rows([{**rows[0], "kind": "prefill"}])
     with pytest.raises(KeyError):
         table_of_rows([{"kind": "decode"}])
+    for bad in (
+        {"steps": -1},
+        {"seconds": float("nan")},
+        {"seconds": float("inf")},
+        {"running": 0},
+    ):
+        with pytest.raises(ValueError, match="finite"):
+            table_of_rows([{**rows[0], **bad}])

@@ -380,6 +380,11 @@ def test_own_engine_time_scales_embeddings_batches_by_the_runs_own(tmp_path: Pat
     )
     assert missing.exit_code == 2
     assert "engine_batches" in missing.output
+    data = json.loads((tmp_path / "run.json").read_text())
+    data["engine_batches"]["mean_ms"] = float("nan")
+    (tmp_path / "nan.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="engine_batches"):
+        load_run(tmp_path / "nan.json")
     alone = runner.invoke(app, ["simulate", "--own-engine-time"])
     assert alone.exit_code == 2
     assert "--own-engine-time needs --validate" in alone.output

@@ -29,10 +29,11 @@ A step's time is the loop body's: prepare the batch, run it, hand its outputs ov
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -245,9 +246,11 @@ def table_of_rows(rows: Iterable[Mapping[str, Any]]) -> dict[tuple[str, int], St
         kind = str(row["kind"])
         if kind not in ("decode", "join", "start"):
             raise ValueError(f"unknown step kind {kind!r}")
-        table[(kind, int(row["running"]))] = StepTotals(
-            float(row["steps"]), float(row["seconds"]), float(row.get("joins", 0))
-        )
+        running = int(row["running"])
+        cell = StepTotals(float(row["steps"]), float(row["seconds"]), float(row.get("joins", 0)))
+        if running < 1 or not all(0.0 <= value < math.inf for value in astuple(cell)):
+            raise ValueError(f"running must be >= 1 and the figures finite and >= 0: {row}")
+        table[(kind, running)] = cell
     return table
 
 

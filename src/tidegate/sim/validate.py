@@ -200,6 +200,8 @@ def parse_run(data: Any, source: str) -> RecordedRun:
             batches = EngineBatches(
                 float(raw["count"]), float(raw["mean_size"]), float(raw["mean_ms"])
             )
+            if not all(0.0 <= value < math.inf for value in asdict(batches).values()):
+                raise ValueError(f"figures must be finite and >= 0, got {raw}")
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(source, "engine_batches", f"bad batches ({exc})", fix) from None
     return RecordedRun(
