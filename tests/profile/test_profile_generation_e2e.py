@@ -28,6 +28,8 @@ from tests.procs import TIDEGATE, child_env, stop, wait_for
 from tests.profile.profiling import FILES, PROFILE_TIMEOUT_S, run_profile, write_json
 from tidegate.engines.profile import Curve, load_profile
 from tidegate.profile.openloop import calibrated_curve, generation_capacity, generation_curves
+from tidegate.sim.saturation import saturated_per_s
+from tidegate.sim.service import from_profile
 
 pytestmark = pytest.mark.e2e
 
@@ -139,8 +141,14 @@ def test_through_the_gateway_the_profile_gives_back_the_engine_it_measured(tmp_p
     open_loop = profile.raw["measured"]["open_loop"]
     found = generation_capacity(profile.points, 4)
     assert found is not None
-    itl, capacity, best = found
-    assert capacity < best  # joiners each pay their prefill: not the closed loop's lockstep
+    itl, capacity, _best = found
+    # The capacity the open loop is aimed at is the simulator's on the measured curves: on the
+    # engine's own steps it is the known profile's (a loaded machine only lowers it). (On the
+    # client's gaps, before, it came out 13% under: their joins were charged twice.)
+    known_capacity = saturated_per_s(
+        from_profile(load_profile(known), "known"), 4, 2 * capacity, output_tokens=6
+    )
+    assert known_capacity / 1.35 <= capacity <= 1.1 * known_capacity
     first = open_loop["tries"][0]
     assert first["offered_rps"] == pytest.approx(0.85 * capacity, rel=0.35)
     chosen = next(t for t in reversed(open_loop["tries"]) if t["factor"] is not None)
