@@ -56,11 +56,15 @@ The capacity the rate is a fraction of is what one replica answers when arrivals
 closed loop's best rate; ``embeddings_capacity``, ``generation_capacity``). For embeddings
 it is at most the curve's best rate: past capacity a replica takes batches of max batch, not
 the size cheapest per input (on the 2-CPU machine a batch of 32 cost 2.1-2.5x a batch of 16:
-78-95% of the best rate). For generation it is well below the closed loop's best throughput,
-where sequences joined an idle engine together and shared one prefill; arrivals that do not
-wait join a decoding batch a few at a time and each pays its own (engines/cost.py). On the
-2-CPU machine the closed loop's best was about 1.4x what the real stack answered in an open
-loop, so a point aimed at 85% of it was past capacity and had to be measured twice.
+78-95% of the best rate). For generation it is below the closed loop's best throughput where
+the closed loop's sequences joined an idle engine together and shared one prefill; arrivals
+that do not wait join a decoding batch a few at a time and each pays its own
+(engines/cost.py). On the 2-CPU machine, with curves from the clients' gaps, the closed loop's
+best was about 1.4x what the real stack answered in an open loop, so a point aimed at 85% of
+it was past capacity and had to be measured twice; with the engine's own steps the capacity
+came out 0.91-0.94x the closed loop's best for smollm2 (1.78 and 1.96 requests/s), and about
+the best for the simulated engine's 6-token chats, whose closed-loop clients drift out of
+step and join decoding batches too.
 """
 
 from __future__ import annotations
