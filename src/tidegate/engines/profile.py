@@ -49,6 +49,12 @@ class Curve:
     xs: tuple[float, ...]
     ys: tuple[float, ...]
 
+    @classmethod
+    def of(cls, points: Mapping[float, float]) -> Curve:
+        """The curve through ``points`` (x -> y, at least one), sorted by x."""
+        xs = tuple(sorted(points))
+        return cls(xs, tuple(points[x] for x in xs))
+
     def __call__(self, x: float) -> float:
         xs, ys = self.xs, self.ys
         if len(xs) == 1:

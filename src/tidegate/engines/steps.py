@@ -202,15 +202,12 @@ def profile_at_steps(profile: EngineProfile, window: StepTable, least: int = 3) 
         return profile
 
     def means(kind: str) -> dict[float, float]:
-        return {
-            float(running): 1e3 * cell.seconds / cell.num_steps
-            for (k, running), cell in window.items()
-            if k == kind and cell.num_steps >= least
-        }
+        found = {n: mean_step_ms(window, kind, n, least) for k, n in window if k == kind}
+        return {float(n): ms for n, ms in found.items() if ms is not None}
 
     decode, start = means("decode"), means("start")
-    itl = _curve_of(decode) if decode else profile.itl_ms
-    ttft = _curve_of({**dict(zip(profile.ttft_ms.xs, profile.ttft_ms.ys, strict=True)), **start})
+    itl = Curve.of(decode) if decode else profile.itl_ms
+    ttft = Curve.of({**dict(zip(profile.ttft_ms.xs, profile.ttft_ms.ys, strict=True)), **start})
     join = join_cost_ms(window)
     return replace(
         profile,
@@ -218,11 +215,6 @@ def profile_at_steps(profile: EngineProfile, window: StepTable, least: int = 3) 
         itl_ms=itl,
         join_ms=profile.join_ms if join is None else join.join_ms,
     )
-
-
-def _curve_of(points: Mapping[float, float]) -> Curve:
-    xs = tuple(sorted(points))
-    return Curve(xs, tuple(points[x] for x in xs))
 
 
 def step_rows(window: StepTable) -> list[dict[str, Any]]:

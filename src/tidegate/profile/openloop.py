@@ -99,6 +99,7 @@ MIN_ARRIVALS = 40  # ... and long enough for this many arrivals (a slow generati
 DRAIN_S = 10.0  # what is in flight at the end may take this long, then is cut off
 TRIES = 2  # the second only when the first did not keep up
 MIN_JOINS = 20  # joiners a try's step table must hold for its join price to be written
+CLIENT_CURVES = "mean TTFT and inter-token latency per concurrency"  # curve_source, no table
 MIN_DECODE_STEPS = 20  # decode steps a try's table must hold for the factor to come from it
 
 
@@ -169,7 +170,7 @@ def closed_loop_curve(points: Sequence[MeasuredPoint]) -> Curve | None:
         for p in points
         if p.mean_batch_size is not None and p.batch_latency_ms is not None and p.num_requests
     }
-    return _sorted_curve(pairs) if pairs else None
+    return Curve.of(pairs) if pairs else None
 
 
 def generation_curves(running: Sequence[MeasuredPoint]) -> tuple[Curve, Curve, str]:
@@ -188,10 +189,10 @@ def generation_curves(running: Sequence[MeasuredPoint]) -> tuple[Curve, Curve, s
     else the client's mean time to first token. Without the table (another server), both are
     the client's means."""
     if not all(p.decode_step_ms is not None for p in running):
-        ttft = _sorted_curve({float(p.concurrency): p.ttft_mean_ms or 0.0 for p in running})
-        itl = _sorted_curve({float(p.concurrency): p.itl_mean_ms or 0.0 for p in running})
-        return ttft, itl, "mean TTFT and inter-token latency per concurrency"
-    ttft = _sorted_curve(
+        ttft = Curve.of({float(p.concurrency): p.ttft_mean_ms or 0.0 for p in running})
+        itl = Curve.of({float(p.concurrency): p.itl_mean_ms or 0.0 for p in running})
+        return ttft, itl, CLIENT_CURVES
+    ttft = Curve.of(
         {
             float(p.concurrency): p.start_step_ms
             if p.start_step_ms is not None
@@ -199,7 +200,7 @@ def generation_curves(running: Sequence[MeasuredPoint]) -> tuple[Curve, Curve, s
             for p in running
         }
     )
-    itl = _sorted_curve({float(p.concurrency): p.decode_step_ms or 0.0 for p in running})
+    itl = Curve.of({float(p.concurrency): p.decode_step_ms or 0.0 for p in running})
     started = sorted(p.concurrency for p in running if p.start_step_ms is not None)
     source = (
         "the engine's own mean decode step per sequences running (its step table); time to "
@@ -256,11 +257,6 @@ def _running(points: Sequence[MeasuredPoint], max_seqs: int) -> list[MeasuredPoi
         for p in points
         if p.itl_mean_ms is not None and p.num_requests > 0 and p.concurrency <= max_seqs
     ]
-
-
-def _sorted_curve(pairs: dict[float, float]) -> Curve:
-    xs = tuple(sorted(pairs))
-    return Curve(xs, tuple(pairs[x] for x in xs))
 
 
 def decoding_gaps(

@@ -20,6 +20,7 @@ import yaml
 from tidegate import __version__
 from tidegate.engines.profile import Curve, EngineProfile, MeasuredPoint, profile_data
 from tidegate.profile.openloop import (
+    CLIENT_CURVES,
     calibrated_curve,
     chosen,
     generation_curves,
@@ -77,7 +78,7 @@ def _curves(
             and (not o.local or p.concurrency <= o.max_batch)
         ]
         if not running:
-            return None, None, None, "mean TTFT and inter-token latency per concurrency"
+            return None, None, None, CLIENT_CURVES
         return (None, *generation_curves(running))
     batch = [p for p in points if p.sweep == "batch" and p.batch_latency_ms is not None]
     if not batch:

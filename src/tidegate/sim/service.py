@@ -219,5 +219,4 @@ def load_service(spec: str) -> ServiceModel:
 
 
 def _mean_curve(points: dict[float, list[float]]) -> Curve:
-    xs = tuple(sorted(points))
-    return Curve(xs, tuple(sum(points[x]) / len(points[x]) for x in xs))
+    return Curve.of({x: sum(ys) / len(ys) for x, ys in points.items()})
