@@ -48,7 +48,7 @@ cannot be asked to agree with a stack more closely than the stack agrees with it
 Also printed, not a target: each judged percentile replayed with the engine 3% faster and
 3% slower (``--sensitivity``), and how many come within 15% somewhere in that range; and
 each run replayed with its own engine time (``tidegate simulate --validate
---own-engine-time``: every batch scaled by the engine time per batch the worker reported in
+--own-engine-time``: the mean engine time of a batch of each size the worker reported in
 the run, or for generation the step prices of the engine's own step table over the run),
 which judges the simulator's model of the stack apart from how far the engine's speed moved
 between the profile and the run.
@@ -79,7 +79,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +164,7 @@ class RunOutcome:
     # Diagnostic, not the target: the same run with the profile rescaled to the engine time
     # of the run (the worker's, or generation's decode time per token; module docstring).
     rescaled: list[Figure] | None = None
+    one_factor: list[Figure] | None = None  # embeddings: own engine time as one factor
     run: RecordedRun | None = None  # the real run, kept for the noise floor
 
 
@@ -604,9 +605,10 @@ def real_run(
             join = join_cost_ms(steps)
         else:
             schedule = [(a.arrival_s, a.priority or "low") for a in arrivals]
-            before = worker_batches(child.url)
+            before, steps_before = worker_batches(child.url), worker_steps(child.url)
             sent = bg.send_schedule(child.url, schedule, args.drain_s, "raw", {}).records
             batches = batches_between(before, worker_batches(child.url))
+            steps = table_between(steps_before, worker_steps(child.url))  # by batch size
     finally:
         lg.stop(child)
     if SPEC.task == "generate":
@@ -669,6 +671,7 @@ def real_run(
         str(path),
         meta,
         idle_engine_s,
+        engine_steps=steps or None,  # none: a worker from before the batch table
         engine_batches=EngineBatches(batches.count, batches.mean_size, batches.mean_ms),
     )
     return run, batches
@@ -723,11 +726,18 @@ def one_run(
     if real_batches.count and profiled_ms > 0:
         notes["rescale_factor"] = real_batches.mean_ms / profiled_ms
         # the run's own engine speed: what tidegate simulate --validate --own-engine-time does
-        own = own_engine_service(run, load_profile(args.profile), args.profile.name)
+        # (by batch size, from the worker's table); and the older one factor at the mean batch
+        profile = load_profile(args.profile)
+        own = own_engine_service(run, profile, args.profile.name)
         again, _, _ = validate(run, own, TOLERANCES)
         notes["rescaled_network_ms"] = again.network_s * 1e3
         notes["rescaled_validation"] = validation_data(again)
         outcome.rescaled = list(again.figures)
+        if run.engine_steps:
+            one = own_engine_service(replace(run, engine_steps=None), profile, args.profile.name)
+            factor, _, _ = validate(run, one, TOLERANCES)
+            notes["one_factor_validation"] = validation_data(factor)
+            outcome.one_factor = list(factor.figures)
     return outcome
 
 
@@ -819,6 +829,12 @@ def rescaled_lines(outcomes: list[RunOutcome]) -> list[str]:
         f"diagnostic (not the target): with each run's own engine time, p50/p95 within "
         f"{TOLERANCES.percentile:.0%}: {ok} of {len(judged)}"
     )
+    one = [f for o in outcomes for f in judged_percentiles(o.one_factor or [])]
+    if one:
+        lines.append(
+            f"the same with one factor at each run's mean batch (not by size): "
+            f"{sum(f.ok for f in one)} of {len(one)}"
+        )
     return lines
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from tidegate.engines.profile import Curve, EngineProfile
-from tidegate.engines.steps import StepTotals, profile_at_steps, step_rows, table_of_rows
+from tidegate.engines.steps import (
+    StepTally,
+    StepTotals,
+    profile_at_steps,
+    step_rows,
+    table_of_rows,
+)
 
 PROFILE = EngineProfile(
     "g",
@@ -56,3 +62,31 @@ def test_step_rows_read_back() -> None:
     ):
         with pytest.raises(ValueError, match="finite"):
             table_of_rows([{**rows[0], **bad}])
+
+
+EMBEDDINGS = EngineProfile(
+    "e", "embeddings", batch_latency_ms=Curve((1.0, 8.0, 32.0), (10.0, 20.0, 60.0))
+)
+
+
+def test_an_embeddings_window_prices_the_batch_sizes_it_measured() -> None:
+    tally = StepTally()
+    for _ in range(4):
+        tally.add_batch(8, 0.030)  # 30 ms: 1.5x the profile's 20
+        tally.add_batch(16, 0.045)  # the profile says 33.3 (a third of the way to 60 ms)
+    tally.add_batch(2, 0.050)  # one batch: too few for its own price
+    window = tally.table()
+    assert window[("batch", 8)] == StepTotals(4, pytest.approx(0.12), 0)
+    at = profile_at_steps(EMBEDDINGS, window)
+    assert at.batch_latency_ms is not None
+    # measured sizes at their means; outside them the profile's points at the window's speed
+    # against the profile over all its batches (0.35 s for 0.2248 s profiled: x1.557)
+    factor = 0.35 / (4 * 0.020 + 4 * (20 + 40 / 3) / 1e3 + (10 + 10 / 7) / 1e3)
+    assert at.batch_latency_ms.xs == (1.0, 8.0, 16.0, 32.0)
+    assert at.batch_latency_ms.ys == pytest.approx((10 * factor, 30.0, 45.0, 60 * factor))
+    assert step_rows(window)[0]["kind"] == "batch"
+    assert table_of_rows(step_rows(window)) == pytest.approx(window)
+    only_few = {("batch", 4): StepTotals(2, 0.1, 0)}  # no size with enough batches
+    scaled = profile_at_steps(EMBEDDINGS, only_few).batch_latency_ms
+    assert scaled is not None
+    assert scaled.ys == pytest.approx(tuple(y * 50.0 / (10 + 10 * 3 / 7) for y in (10, 20, 60)))

@@ -388,3 +388,27 @@ def test_own_engine_time_scales_embeddings_batches_by_the_runs_own(tmp_path: Pat
     alone = runner.invoke(app, ["simulate", "--own-engine-time"])
     assert alone.exit_code == 2
     assert "--own-engine-time needs --validate" in alone.output
+
+
+def test_own_engine_time_prices_embeddings_batches_by_size_from_the_run(tmp_path: Path) -> None:
+    # The run's engine took 32 ms a batch whatever its size; the profile says 10 ms for one
+    # input and 40 ms for eight. Its batch table (kind "batch") gives the price of every size;
+    # one factor at the run's mean batch would keep the profile's slope.
+    run = recorded_from_simulation(32.0, arrivals(60.0, 600))
+    table = {("batch", n): StepTotals(10, 0.32, 0) for n in range(1, 9)}
+    write_run(tmp_path / "run.json", replace(run, engine_steps=table))
+    again = load_run(tmp_path / "run.json")
+    assert again.engine_steps == table
+    sloped = EngineProfile("e", "embeddings", batch_latency_ms=Curve((1.0, 8.0), (10.0, 40.0)))
+    own = own_engine_service(again, sloped, "p")
+    assert own.batch is not None
+    assert [own.batch.batch_s(n, 0) for n in (1, 4, 8)] == pytest.approx([0.032] * 3)
+    validation, _, _ = validate(again, own)
+    for figure in validation.figures:
+        assert figure.measured == pytest.approx(figure.simulated, rel=1e-3, abs=1e-3), figure
+    assert validation.passed
+    # Without the table the one factor at the mean batch is what a run file can give.
+    one = replace(again, engine_steps=None, engine_batches=EngineBatches(80, 4.5, 32.0))
+    scaled_one = own_engine_service(one, sloped, "p")
+    assert scaled_one.batch is not None
+    assert scaled_one.batch.batch_s(1, 0) < 0.032 < scaled_one.batch.batch_s(8, 0)

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.harness import flat_profile
 from tests.procs import DEADLINE_S, Proc, worker_process
+from tidegate.engines.steps import parse_step_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -70,6 +71,13 @@ def test_a_simulated_embedding_worker_times_tokenizing_each_request(tmp_path: Pa
         after = scrape(worker)
         assert value(after, "tidegate_tokenize_seconds_count", model="sim") == 2
         assert value(after, "tidegate_tokenize_seconds_bucket", model="sim", le="+Inf") == 2
+        # Its engine time by batch size (the step table's kind "batch"): three inputs in at
+        # most two batches, each at least the profile's 1 ms.
+        batches = parse_step_metrics(after)
+        assert {kind for kind, _ in batches} == {"batch"}
+        assert sum(size * cell.num_steps for (_, size), cell in batches.items()) == 3
+        assert all(cell.seconds >= 1e-3 * cell.num_steps for cell in batches.values())
+        assert parse_step_metrics(before) == {}
         assert value(after, "process_cpu_seconds_total") >= value(
             before, "process_cpu_seconds_total"
         )

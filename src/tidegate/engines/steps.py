@@ -1,4 +1,4 @@
-"""The generation engine's own step times, by kind and by sequences running.
+"""The engine's own step times, by kind and by sequences (or inputs) running.
 
 transformers' continuous batching runs one step of every running sequence at a time: each
 decoding sequence makes a token, and each joining one (no token yet) prefills its prompt.
@@ -11,14 +11,17 @@ their seconds and their joiners:
 - ``decode``: nobody joins;
 - ``join``: one or more prompts join a batch that is decoding (the running count includes
   them, as the simulator's ``step_s`` does);
-- ``start``: every sequence of the step is joining (an idle engine).
+- ``start``: every sequence of the step is joining (an idle engine);
+- ``batch``: an embeddings engine's batch, ``running`` its inputs (the worker's batcher times
+  it around the engine's call: ``StepTally.add_batch``).
 
 The worker exports the table as counters (``tidegate_engine_steps_total``,
 ``tidegate_engine_step_seconds_total``, ``tidegate_engine_step_joins_total``, labels
-``model``, ``kind``, ``running``; at most three kinds x ``max_num_seqs``), read at scrape
-time. ``join_cost_ms`` turns two reads into what one joiner adds to its step over a decode
-step of as many sequences: the price ``tidegate profile --through-gateway`` writes into a
-generation profile (``generate.join_ms``) and the simulator charges.
+``model``, ``kind``, ``running``; at most three kinds x ``max_num_seqs``, or one kind x
+``max_batch_size``), read at scrape time. ``join_cost_ms`` turns two reads into what one
+joiner adds to its step over a decode step of as many sequences: the price ``tidegate
+profile --through-gateway`` writes into a generation profile (``generate.join_ms``) and the
+simulator charges.
 
 The hook (``clock_steps``) wraps two methods of the manager that are not transformers'
 public API (``_generation_loop_body`` and ``_generation_step``, as of transformers 5.x);
@@ -53,6 +56,8 @@ class StepTotals:
 
 
 StepTable = Mapping[tuple[str, int], StepTotals]
+BATCH = "batch"  # an embeddings batch
+KINDS = ("decode", "join", "start", BATCH)
 
 
 def kind_of(decoding: int, joining: int) -> str:
@@ -69,7 +74,13 @@ class StepTally:
         self._cells: dict[tuple[str, int], list[float]] = {}
 
     def add(self, decoding: int, joining: int, seconds: float) -> None:
-        key = (kind_of(decoding, joining), decoding + joining)
+        self._add((kind_of(decoding, joining), decoding + joining), joining, seconds)
+
+    def add_batch(self, size: int, seconds: float) -> None:
+        """One embeddings batch of ``size`` inputs."""
+        self._add((BATCH, size), 0, seconds)
+
+    def _add(self, key: tuple[str, int], joining: int, seconds: float) -> None:
         with self._lock:
             cell = self._cells.get(key)
             if cell is None:
@@ -197,7 +208,14 @@ def profile_at_steps(profile: EngineProfile, window: StepTable, least: int = 3) 
     moment's speed); the time to first token curve takes the window's mean start step (every
     sequence joining an idle engine) where it has ``least`` of them and keeps the profile's
     elsewhere; the join price is the window's (``join_cost_ms``). A price the window did not
-    measure stays the profile's."""
+    measure stays the profile's.
+
+    An embeddings profile takes the window's mean batch at every size with at least ``least``
+    batches; outside the sizes the window measured, the profile's points scaled by the
+    window's speed against the profile over all its batches (``batch_curve_at``)."""
+    if profile.batch_latency_ms is not None:
+        batches = batch_curve_at(profile.batch_latency_ms, window, least)
+        return profile if batches is None else replace(profile, batch_latency_ms=batches)
     if profile.ttft_ms is None or profile.itl_ms is None:
         return profile
 
@@ -215,6 +233,23 @@ def profile_at_steps(profile: EngineProfile, window: StepTable, least: int = 3) 
         itl_ms=itl,
         join_ms=profile.join_ms if join is None else join.join_ms,
     )
+
+
+def batch_curve_at(profiled: Curve, window: StepTable, least: int = 3) -> Curve | None:
+    """The batch curve of ``window``'s embeddings batches (see ``profile_at_steps``); None
+    when it has none."""
+    cells = {n: cell for (kind, n), cell in window.items() if kind == BATCH}
+    if not cells:
+        return None
+    profiled_s = sum(cell.num_steps * profiled(n) / 1e3 for n, cell in cells.items())
+    factor = sum(cell.seconds for cell in cells.values()) / profiled_s if profiled_s > 0 else 1.0
+    found = {n: mean_step_ms(window, BATCH, n, least) for n in cells}
+    measured = {float(n): ms for n, ms in found.items() if ms is not None}
+    low, high = (min(measured), max(measured)) if measured else (math.inf, -math.inf)
+    outside = {
+        x: y * factor for x, y in zip(profiled.xs, profiled.ys, strict=True) if not low <= x <= high
+    }
+    return Curve.of({**outside, **measured})
 
 
 def step_rows(window: StepTable) -> list[dict[str, Any]]:
@@ -236,7 +271,7 @@ def table_of_rows(rows: Iterable[Mapping[str, Any]]) -> dict[tuple[str, int], St
     table = {}
     for row in rows:
         kind = str(row["kind"])
-        if kind not in ("decode", "join", "start"):
+        if kind not in KINDS:
             raise ValueError(f"unknown step kind {kind!r}")
         running = int(row["running"])
         cell = StepTotals(float(row["steps"]), float(row["seconds"]), float(row.get("joins", 0)))

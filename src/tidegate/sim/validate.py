@@ -37,7 +37,13 @@ from typing import Any
 
 from tidegate.config.loading import parse_config
 from tidegate.engines.profile import EngineProfile
-from tidegate.engines.steps import StepTable, profile_at_steps, step_rows, table_of_rows
+from tidegate.engines.steps import (
+    BATCH,
+    StepTable,
+    profile_at_steps,
+    step_rows,
+    table_of_rows,
+)
 from tidegate.errors import ConfigError
 from tidegate.sim.run import RunResult, Scenario, Simulation
 from tidegate.sim.service import ServiceModel, from_profile, scaled
@@ -220,11 +226,12 @@ def parse_run(data: Any, source: str) -> RecordedRun:
 
 def own_engine_service(run: RecordedRun, profile: EngineProfile, source: str) -> ServiceModel:
     """The profile at the engine's own speed in ``run``, as its worker reported it: for
-    generation the run's step table for the step prices (``profile_at_steps``), for
-    embeddings every batch scaled by the run's mean engine time over the profile's at the
-    run's mean batch. Not a prediction: a replay that takes the engine's speed from the run
-    itself, so that what is left between the two sides is the simulator's model of the
-    stack around the engine (docs/simulator.md)."""
+    generation the run's step table for the step prices (``profile_at_steps``); for
+    embeddings the run's mean batch by size from the same table where the run file has it
+    (kind ``batch``: ``profile_at_steps`` again), else every batch scaled by the run's mean
+    engine time over the profile's at the run's mean batch. Not a prediction: a replay that
+    takes the engine's speed from the run itself, so that what is left between the two sides
+    is the simulator's model of the stack around the engine (docs/simulator.md)."""
     fix = (
         "record the worker's engine figures with the run (benchmarks/bench_sim_fidelity.py "
         "writes them) or drop --own-engine-time"
@@ -234,6 +241,8 @@ def own_engine_service(run: RecordedRun, profile: EngineProfile, source: str) ->
     if run.task == "generate":
         if not run.engine_steps:
             raise ConfigError(run.source, "engine_steps", "missing: no step table", fix)
+        return from_profile(profile_at_steps(profile, run.engine_steps), source)
+    if run.engine_steps and any(kind == BATCH for kind, _ in run.engine_steps):
         return from_profile(profile_at_steps(profile, run.engine_steps), source)
     batches = run.engine_batches
     service = from_profile(profile, source)

@@ -215,6 +215,7 @@ class Worker:
             self.batcher = EmbeddingBatcher(
                 engine, s.batch_config(), self.queue_config(), self.metrics
             )
+            self.metrics.registry.register(StepCollector(s.model, self.batcher.steps))
             batcher = asyncio.create_task(self.batcher.run(), name="batcher")
             batcher.add_done_callback(self._batch_loop_ended)
             self._tasks.append(batcher)

@@ -52,6 +52,7 @@ from tidegate.engines.base import (
     TokenEvent,
     Vector,
 )
+from tidegate.engines.steps import StepTally
 from tidegate.errors import Overloaded, ReplicaFailed
 from tidegate.metrics import WorkerMetrics
 
@@ -108,6 +109,7 @@ class EmbeddingBatcher:
         self.metrics = metrics
         self.clock = clock
         self.throughput = Throughput()
+        self.steps = StepTally()  # engine time by batch size (kind "batch"), for /metrics
         self.num_running = 0  # inputs in the batch on the engine now
         self._texts: dict[str, str] = {}
         self._results: dict[str, asyncio.Future[Vector]] = {}
@@ -202,6 +204,7 @@ class EmbeddingBatcher:
         self.planner.finished(batch, done, started)
         self.metrics.batch_size.labels(self.engine.card.name).observe(len(batch))
         self.metrics.batch_duration.labels(self.engine.card.name).observe(done - started)
+        self.steps.add_batch(len(batch), done - started)
         self.throughput.record(done, len(batch))
         self.queue.drain.record(done, len(batch))
         for r, vector in zip(batch, vectors, strict=True):

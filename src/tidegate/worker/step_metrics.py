@@ -1,15 +1,18 @@
-"""The generation engine's step table (``tidegate.engines.steps``) as Prometheus counters.
+"""The engine's step table (``tidegate.engines.steps``) as Prometheus counters.
 
-Read from the engine's ``StepTally`` at each scrape, so the engine's thread pays a dict
-update per step and nothing else. Three counters, labels ``model``, ``kind`` (decode, join,
-start) and ``running`` (sequences in the step, joiners included):
+Read from a ``StepTally`` at each scrape (the generation engine's, kept by its thread; the
+embeddings batcher's, one entry per batch), so the hot path pays a dict update per step and
+nothing else. Three counters, labels ``model``, ``kind`` (decode, join, start; batch for an
+embeddings worker) and ``running`` (sequences in the step, joiners included; a batch's
+inputs):
 
 - ``tidegate_engine_steps_total``: engine steps;
 - ``tidegate_engine_step_seconds_total``: their time;
 - ``tidegate_engine_step_joins_total``: prompts that joined in them.
 
 ``rate(tidegate_engine_step_seconds_total[1m]) / rate(tidegate_engine_steps_total[1m])`` is
-the mean step by kind and batch; docs/observability.md shows what a joiner costs from them.
+the mean step by kind and batch (for embeddings: the mean engine time of a batch of that
+size); docs/observability.md shows what a joiner costs from them.
 """
 
 from __future__ import annotations
@@ -32,12 +35,12 @@ class StepCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         steps = CounterMetricFamily(
             "tidegate_engine_steps",
-            "Generation engine steps, by kind and sequences running.",
+            "Engine steps (an embeddings batch is one), by kind and sequences or inputs running.",
             labels=LABELS,
         )
         seconds = CounterMetricFamily(
             "tidegate_engine_step_seconds",
-            "Time of the generation engine's steps, by kind and sequences running.",
+            "Time of the engine's steps, by kind and sequences or inputs running.",
             labels=LABELS,
         )
         joins = CounterMetricFamily(
