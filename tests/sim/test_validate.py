@@ -407,6 +407,11 @@ def test_own_engine_time_prices_embeddings_batches_by_size_from_the_run(tmp_path
     for figure in validation.figures:
         assert figure.measured == pytest.approx(figure.simulated, rel=1e-3, abs=1e-3), figure
     assert validation.passed
+    # The command prints the run's batches beside the simulator's.
+    args = ["simulate", "--validate", str(tmp_path / "run.json")]
+    done = CliRunner().invoke(app, [*args, "--profile", profile_file(tmp_path, 20)])
+    assert done.exit_code == 1  # MISS at the profile's 20 ms
+    assert "batches: the run's worker 80 (mean 4.5 inputs, 32.0 ms), simulated " in done.output
     # Without the table the one factor at the mean batch is what a run file can give.
     one = replace(again, engine_steps=None, engine_batches=EngineBatches(80, 4.5, 32.0))
     scaled_one = own_engine_service(one, sloped, "p")

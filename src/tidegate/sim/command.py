@@ -237,7 +237,7 @@ def validate_run(
 
     import yaml
 
-    from tidegate.sim.validate import load_run, render, validate, validation_data
+    from tidegate.sim.validate import batch_line, load_run, render, validate, validation_data
 
     if profile is None:
         raise ValueError("--validate needs --profile: the service model to check against the run")
@@ -255,14 +255,16 @@ def validate_run(
         service = own_engine_service(run, load_profile(profile), Path(profile).name)
     else:
         service = load_service(profile)
-    validation, _, _ = validate(run, service, sensitivity=sensitivity)
+    validation, _, simulated = validate(run, service, sensitivity=sensitivity)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "validation.json").write_text(json.dumps(validation_data(validation), indent=2))
     title = f"{run_path.name}: {run.model} ({run.task}), policy {_policy(run.config)}"
     if own_engine_time:
         title += ", the engine at the run's own speed (its worker's figures)"
-    return render(validation, title), validation.passed
+    text = render(validation, title)
+    batches = batch_line(run, simulated, service)
+    return (f"{text}\n{batches}" if batches else text), validation.passed
 
 
 def _policy(config: Any) -> str:

@@ -605,6 +605,41 @@ def render(validation: Validation, title: str = "") -> str:
     return "\n".join(lines)
 
 
+def batch_line(run: RecordedRun, simulated: Side, service: ServiceModel) -> str:
+    """The batches the run's worker formed (its figures, when the run file has them) beside
+    the simulator's: the first thing to look at when an embeddings replay misses. "" for a
+    generation run or one without batches on either side."""
+    if run.task != "embeddings" or service.batch is None:
+        return ""
+    sim_count = sum(simulated.batches.values())
+    parts = []
+    real = _run_batches(run)
+    if real is not None:
+        parts.append(
+            f"the run's worker {real.count:,.0f} (mean {real.mean_size:.1f} inputs, "
+            f"{real.mean_ms:.1f} ms)"
+        )
+    if sim_count:
+        inputs = sum(size * n for size, n in simulated.batches.items())
+        engine_s = sum(service.batch.batch_s(size, 0) * n for size, n in simulated.batches.items())
+        parts.append(
+            f"simulated {sim_count:,} (mean {inputs / sim_count:.1f} inputs, "
+            f"{engine_s / sim_count * 1e3:.1f} ms)"
+        )
+    return "batches: " + ", ".join(parts) if parts else ""
+
+
+def _run_batches(run: RecordedRun) -> EngineBatches | None:
+    """The run's batches: from its step table's batch rows, else its ``engine_batches``."""
+    cells = [(n, c) for (kind, n), c in (run.engine_steps or {}).items() if kind == BATCH]
+    count = sum(c.num_steps for _, c in cells)
+    if count > 0:
+        inputs = sum(n * c.num_steps for n, c in cells)
+        seconds = sum(c.seconds for _, c in cells)
+        return EngineBatches(count, inputs / count, seconds / count * 1e3)
+    return run.engine_batches if run.engine_batches and run.engine_batches.count > 0 else None
+
+
 def validation_data(validation: Validation) -> dict[str, Any]:
     return {
         "num_requests": validation.num_requests,
