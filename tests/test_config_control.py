@@ -189,6 +189,11 @@ GOOD = [
         ),
     ),
     Good(
+        "a_rate_target_sizes_on_arrivals",
+        scaled(target_rate_per_replica=250),
+        lambda c: autoscaling(c).target_rate_per_replica == 250.0 or pytest.fail("rate target"),
+    ),
+    Good(
         "partial_scaling_rules_keep_the_rest",
         scaled(scale_down={"stabilization_window_s": 60}),
         _partial_rules_keep_the_rest,
@@ -349,6 +354,13 @@ BAD = [
         "target_positive",
         scaled(target_per_replica=0),
         f"{AS}.target_per_replica",
+        "out of range",
+        "> 0",
+    ),
+    Bad(
+        "rate_target_positive",
+        scaled(target_rate_per_replica=-5),
+        f"{AS}.target_rate_per_replica",
         "out of range",
         "> 0",
     ),

@@ -141,6 +141,28 @@ async def test_demand_scales_up_onto_declared_devices_and_spreads_the_model() ->
 
 
 @pytest.mark.asyncio
+async def test_a_rate_target_sizes_on_what_the_dispatcher_counted_arriving() -> None:
+    # 2 arrivals/s per replica; 4 submitted in the 1 s between two decisions: 2 replicas,
+    # where the queue (3 waiting, 1 in flight) on a target of 1 would have asked for 4.
+    gateway, controller, orchestrator, clock = _setup(
+        target_rate_per_replica=2, target_per_replica=1
+    )
+    await controller.tick("m")
+    orchestrator.ready("m-shared-0")
+    dispatcher = gateway.dispatchers["m"]
+    dispatcher.clock = clock
+    before = dispatcher.num_arrived
+    for i in range(4):
+        dispatcher.submit(_request(f"r{i}", clock.t))
+    assert dispatcher.num_arrived == before + 4
+    clock.t += 1
+    decision = await controller.tick("m")
+    assert decision.rate == pytest.approx(4.0)
+    assert (decision.current_replicas, decision.desired_replicas) == (1, 2)
+    assert "arrivals/s" in decision.describe()
+
+
+@pytest.mark.asyncio
 async def test_a_replica_that_does_not_fit_is_refused_and_said_so() -> None:
     gateway, controller, orchestrator, clock = _setup(max_replicas=8)
     await controller.tick("m")

@@ -887,3 +887,14 @@ def test_drain_hook_lets_a_running_batch_finish(tmp_path: Path) -> None:
         assert said == "drained: 0 handed back to the gateway, nothing in flight"
         readyz = httpx.get(f"{worker.url}/readyz", timeout=DEADLINE_S)
         assert (readyz.status_code, readyz.json()["status"]) == (503, "draining")
+
+
+def test_a_rate_target_is_named_in_the_notes_not_dropped() -> None:
+    config = scaled_model(
+        {"max_replicas": 4, "target_per_replica": 8, "target_rate_per_replica": 50}
+    )
+    notes = render(config).notes
+    assert any("sim: target_rate_per_replica is not rendered" in n for n in notes)
+    model = config.model("sim")
+    assert model.autoscaling is not None
+    assert model.autoscaling.target_rate_per_replica == 50.0

@@ -139,3 +139,27 @@ def test_a_schedule_opens_early_by_the_cold_start_in_wall_time(speedup: float) -
     assert first.desired_replicas == 3
     assert first.reason == ScaleReason.SCHEDULE
     assert 300 / speedup <= first.decided_at <= (300 + 15) / speedup
+
+
+def test_a_rate_target_follows_the_arrivals_in_virtual_time() -> None:
+    # 25 arrivals/s per replica: 10 req/s wants 1, the burst's 60 req/s wants 3 (a replica
+    # serves about 40), and the count comes back to 1 once the window has passed.
+    result, simulation = _run(
+        "tidegate",
+        target_rate_per_replica=25,
+        stable_window_s=5,
+        scale_down={
+            "stabilization_window_s": 10,
+            "select_policy": "max",
+            "policies": [{"type": "pods", "value": 1, "period_s": 1}],
+        },
+    )
+    controller = simulation.controller
+    assert isinstance(controller, CoreAutoscaler)
+    rates = [d.rate for d in controller.decisions if d.rate is not None]
+    assert rates  # the changes were sized on the rate
+    burst = [d for d in controller.decisions if 60 < d.decided_at <= 120]
+    assert max(d.desired_replicas for d in burst) == 3
+    assert controller.decisions[-1].desired_replicas == 1
+    assert all(d.recommendation is None or d.recommendation <= 3 for d in controller.decisions)
+    assert result.num_requests == len(_burst().arrivals)

@@ -93,13 +93,14 @@ SURGE = [
 ]
 
 
-Call = tuple[float, int, int, float, float, int]
+Call = tuple[float, int, int, float, float, float | None, int]
 
 
 @dataclasses.dataclass(frozen=True)
 class SurgeRun:
     result: FleetResult
-    calls: list[Call]  # the autoscaler's calls: (now, replicas, ready, queued, in_flight, delta)
+    # the autoscaler's calls: (now, replicas, ready, queued, in_flight, arrived, delta)
+    calls: list[Call]
     config: AutoscaleConfig
 
 
@@ -113,9 +114,16 @@ def surge() -> SurgeRun:
     calls: list[Call] = []
     measured = autoscaler.scale_delta
 
-    def recording(now: float, replicas: int, ready: int, queued: float, in_flight: float) -> int:
-        delta: int = measured(now, replicas, ready, queued, in_flight)
-        calls.append((now, replicas, ready, queued, in_flight, delta))
+    def recording(
+        now: float,
+        replicas: int,
+        ready: int,
+        queued: float,
+        in_flight: float,
+        arrived: float | None = None,
+    ) -> int:
+        delta: int = measured(now, replicas, ready, queued, in_flight, arrived)
+        calls.append((now, replicas, ready, queued, in_flight, arrived, delta))
         return delta
 
     with pytest.MonkeyPatch.context() as patch:
@@ -176,12 +184,13 @@ def test_the_controller_is_decide_scale_on_what_the_fluid_measured(surge: SurgeR
     assert any(delta < 0 for *_, delta in calls)
     # the same inputs into the core's decide_scale, from a fresh state: the same decisions
     state = ScaleState()
-    for now, replicas, ready, queued, in_flight, delta in calls:
+    assert all(arrived is not None for *_, arrived, _ in calls)  # the fluid's counter
+    for now, replicas, ready, queued, in_flight, arrived, delta in calls:
         local = datetime.fromtimestamp(now, UTC)
         inputs = ScaleInputs(
             replicas=replicas,
             ready_replicas=ready,
-            demand=DemandSample(now, queued, in_flight),
+            demand=DemandSample(now, queued, in_flight, arrived),
             local_time=(local.weekday(), local.hour * 60 + local.minute),
         )
         decision, state = decide_scale(inputs, state, surge.config, now)

@@ -291,6 +291,9 @@ class ControlResolver:
             min_replicas=a.min_replicas,
             max_replicas=a.max_replicas,
             target_per_replica=float(a.target_per_replica),
+            target_rate_per_replica=None
+            if a.target_rate_per_replica is None
+            else float(a.target_rate_per_replica),
             tolerance=float(defaults.tolerance if a.tolerance is None else a.tolerance),
             interval_s=float(defaults.interval_s if a.interval_s is None else a.interval_s),
             scale_up=self._rules(a.scale_up, f"{key}.scale_up", DEFAULT_SCALE_UP),
@@ -475,6 +478,7 @@ def render_autoscaling(config: AutoscaleConfig) -> dict[str, Any]:
         "min_replicas": config.min_replicas,
         "max_replicas": config.max_replicas,
         "target_per_replica": config.target_per_replica,
+        "target_rate_per_replica": config.target_rate_per_replica,
         "tolerance": config.tolerance,
         "interval_s": config.interval_s,
         "stable_window_s": config.stable_window_s,

@@ -120,6 +120,7 @@ class _AutoscalingIn(_Strict):
     min_replicas: Annotated[int, Field(ge=0)] = 1
     max_replicas: PositiveInt
     target_per_replica: PositiveFloat
+    target_rate_per_replica: PositiveFloat | None = None
     # None below: AutoscaleConfig's default (control.py fills it in)
     tolerance: Annotated[float, Field(ge=0, lt=1)] | None = None
     interval_s: PositiveFloat | None = None

@@ -219,7 +219,9 @@ class Controller:
         return ScaleInputs(
             replicas=len(active),
             ready_replicas=sum(r.ready for r in active),
-            demand=DemandSample(now, len(dispatcher.queue), dispatcher.num_in_flight()),
+            demand=DemandSample(
+                now, len(dispatcher.queue), dispatcher.num_in_flight(), dispatcher.num_arrived
+            ),
             local_time=(local.weekday(), local.hour * 60 + local.minute),
             forecast_replicas=forecast,
         )
@@ -529,6 +531,7 @@ def _decision_view(decision: ScaleDecision) -> dict[str, Any]:
         "direction": decision.direction.value,
         "reason": decision.reason.value,
         "demand": decision.demand,
+        "rate": None if decision.rate is None else round(decision.rate, 3),
         "ratio": None if decision.ratio is None else round(decision.ratio, 3),
         "ready": decision.inputs.ready_replicas,
         "floor": decision.floor,

@@ -197,6 +197,11 @@ def hpa_notes(config: AutoscaleConfig, model: str, keda: bool) -> list[str]:
             f"{model}: interval_s {config.interval_s:g} differs from the HPA's sync period "
             f"({HPA_SYNC_PERIOD_S:g} s, a kube-controller-manager flag for the whole cluster)"
         )
+    if config.target_rate_per_replica is not None:
+        notes.append(
+            f"{model}: target_rate_per_replica is not rendered (the HPA sizes on the queue "
+            f"gauge and target_per_replica {config.target_per_replica:g})"
+        )
     down, up = config.tolerances()
     if up != HPA_DEFAULT_TOLERANCE or down != HPA_DEFAULT_TOLERANCE:
         notes.append(

@@ -10,8 +10,14 @@ wall time, calls it every ``interval_s``, and applies ``desired_replicas``. One 
    hold the current count (a broken metrics path must never read as "no traffic").
 2. *Recommendation* (HPA): ``ceil(demand / target_per_replica)``, i.e. ``ceil(ready x
    signal / target)``; nothing while ``signal / target`` is within the tolerance band around
-   1.0. While replicas are still warming up, an overloaded ready set never recommends fewer
-   than the replicas already coming (the HPA's "no change of direction" guard).
+   1.0. With ``target_rate_per_replica`` set, on the arrival rate instead: ``ceil(rate /
+   target_rate_per_replica)``, the rate from the samples' arrival counters over the stable
+   window (the queue of a batching server swings by a batch between two instants and grows
+   without bound past capacity; arrivals per second scale with the load). Panic mode and
+   scale to zero stay on the queue. A sample without a counter, or a window of one sample:
+   the queue signal for that decision. While replicas are still warming up, an overloaded
+   ready set never recommends fewer than the replicas already coming (the HPA's "no change
+   of direction" guard).
 3. *Panic* (Knative, optional): when demand over the short ``panic_window_s`` exceeds
    ``panic_threshold`` x target per ready replica, recommend on that demand instead, and
    never below the current count or the panic's highest, until the signal has stayed calm
@@ -101,6 +107,9 @@ class AutoscaleConfig:
     scale_to_zero: bool = False
     forecast: bool = False  # the shell passes the seasonal floor (core.forecast) when set
     max_signal_age_s: float = 60.0  # an older demand sample is stale: hold
+    # Arrivals per second one ready replica should take (e.g. 0.95 x its profiled capacity);
+    # None: size on the queue (target_per_replica). Panic stays on the queue either way.
+    target_rate_per_replica: float | None = None
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0 or self.max_replicas < max(1, self.min_replicas):
@@ -110,6 +119,9 @@ class AutoscaleConfig:
             )
         if self.target_per_replica <= 0:
             raise ValueError(f"target_per_replica must be > 0, got {self.target_per_replica}")
+        rate = self.target_rate_per_replica
+        if rate is not None and not (0 < rate < math.inf):
+            raise ValueError(f"target_rate_per_replica must be a number > 0, got {rate}")
         if not 0 <= self.tolerance < 1:
             raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
         if self.panic_threshold is not None and self.panic_threshold <= 1:
@@ -139,6 +151,7 @@ class DemandSample:
     measured_at: float  # monotonic seconds
     queued: float  # requests waiting in the gateway's queue (a count, or a mean of counts)
     in_flight: float  # requests dispatched to replicas and not finished
+    arrived: float | None = None  # requests that arrived for the model so far (a counter)
 
     @property
     def demand(self) -> float:
@@ -183,6 +196,7 @@ class ScaleDecision:
     reason: ScaleReason
     inputs: ScaleInputs
     demand: float | None = None  # mean over the stable window; None: no fresh signal
+    rate: float | None = None  # arrivals/s over the stable window (target_rate_per_replica)
     panic_demand: float | None = None  # mean over the panic window
     ratio: float | None = None  # demand per ready replica / target
     recommendation: int | None = None  # after tolerance and panic, before the behavior
@@ -209,7 +223,12 @@ class ScaleDecision:
         parts = [
             f"{self.current_replicas} -> {self.desired_replicas} {self.direction} ({self.reason})"
         ]
-        if self.demand is not None and self.ratio is not None:
+        if self.rate is not None and self.ratio is not None:
+            parts.append(
+                f"{self.rate:.4g} arrivals/s on {self.inputs.ready_replicas} ready = "
+                f"{self.ratio:.2f}x target"
+            )
+        elif self.demand is not None and self.ratio is not None:
             parts.append(
                 f"demand {self.demand:g} on {self.inputs.ready_replicas} ready = "
                 f"{self.ratio:.2f}x target"
@@ -242,7 +261,8 @@ class _Signal:
     latest: float  # the newest sample's demand
     demand: float  # mean over the stable window
     panic_demand: float  # mean over the panic window
-    ratio: float  # demand per ready replica / target (inf: demand and nothing ready)
+    ratio: float  # demand (or rate) per ready replica / target (inf: any and nothing ready)
+    rate: float | None = None  # arrivals/s, when the recommendation sizes on it
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +287,7 @@ class _Tick:
             reason,
             self.inputs,
             demand=self.signal.demand,
+            rate=self.signal.rate,
             panic_demand=self.signal.panic_demand,
             ratio=self.signal.ratio,
             floor=self.floor.replicas,
@@ -320,6 +341,10 @@ def _observe(
         samples = (*samples, sample)
     horizon = now - max(config.stable_window_s, config.panic_window_s)
     kept = tuple(s for s in samples[:-1] if s.measured_at > horizon) + samples[-1:]
+    if config.target_rate_per_replica is not None:
+        # The arrival rate counts from the last counter at or before the window's start.
+        before = [s for s in samples[:-1] if s.measured_at <= horizon]
+        kept = (*before[-1:], *kept)
     last_demand_at = now if sample.demand > 0 else state.last_demand_at
     return replace(state, samples=kept, last_demand_at=last_demand_at)
 
@@ -329,12 +354,33 @@ def _measure(
 ) -> _Signal:
     demand = _mean_demand(state.samples, config.stable_window_s, now)
     panic_demand = _mean_demand(state.samples, config.panic_window_s, now)
+    rate = None
+    if config.target_rate_per_replica is not None:
+        rate = _arrival_rate(state.samples, config.stable_window_s, now)
+    sized, per_replica = demand, config.target_per_replica
+    if rate is not None and config.target_rate_per_replica is not None:
+        sized, per_replica = rate, config.target_rate_per_replica
     if inputs.ready_replicas > 0:
-        ratio = demand / (inputs.ready_replicas * config.target_per_replica)
+        ratio = sized / (inputs.ready_replicas * per_replica)
     else:
         # Nothing ready to measure per replica: any demand is more than zero replicas serve.
-        ratio = math.inf if demand > 0 else 0.0
-    return _Signal(state.samples[-1].demand, demand, panic_demand, ratio)
+        ratio = math.inf if sized > 0 else 0.0
+    return _Signal(state.samples[-1].demand, demand, panic_demand, ratio, rate)
+
+
+def _arrival_rate(samples: Sequence[DemandSample], window_s: float, now: float) -> float | None:
+    """Arrivals per second from the last counter at or before the window's start (``_observe``
+    keeps one; a window of 0: the previous counter) to the newest; the oldest counter when
+    none is that old yet. None without two counters apart in time."""
+    counted = [s for s in samples if s.arrived is not None]
+    if len(counted) < 2 or counted[-1] is not samples[-1]:
+        return None
+    before = [s for s in counted[:-1] if s.measured_at <= now - window_s]
+    first, last = (before[-1] if before else counted[0]), counted[-1]
+    span = last.measured_at - first.measured_at
+    if span <= 0 or first.arrived is None or last.arrived is None:
+        return None
+    return max(0.0, last.arrived - first.arrived) / span
 
 
 def _mean_demand(samples: Sequence[DemandSample], window_s: float, now: float) -> float:
@@ -380,8 +426,12 @@ def _recommend(tick: _Tick) -> tuple[int, ScaleReason]:
     down_tolerance, up_tolerance = tick.config.tolerances()
     if 1.0 - down_tolerance <= tick.signal.ratio <= 1.0 + up_tolerance:
         return tick.current, ScaleReason.TOLERANCE
-    recommendation = math.ceil(tick.signal.demand / tick.config.target_per_replica)
-    if tick.signal.demand > 0:
+    signal, config = tick.signal, tick.config
+    if signal.rate is not None and config.target_rate_per_replica is not None:
+        recommendation = math.ceil(signal.rate / config.target_rate_per_replica)
+    else:
+        recommendation = math.ceil(signal.demand / config.target_per_replica)
+    if signal.demand > 0 or (signal.rate or 0.0) > 0:
         # Any demand needs a replica, also one so small that the division underflows to 0
         # (Hypothesis found 5e-324 / 4): a scale from zero is then remembered as one.
         recommendation = max(1, recommendation)

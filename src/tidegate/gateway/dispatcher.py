@@ -100,6 +100,7 @@ class ModelDispatcher:
         self._fair = self.queue.fair is not None
         self._preemptive = self._fair and queue.fairness is not None and queue.fairness.preemption
         self.num_preemptions = 0  # requests sent past the slots to pause another tenant's
+        self.num_arrived = 0  # requests submitted while open (a counter)
         # Fair sharing: per replica id, the tenants of the requests dispatched there and not
         # yet released, oldest first (whose slot an unnamed release frees).
         self._holders: dict[str, deque[str]] = {}
@@ -143,6 +144,7 @@ class ModelDispatcher:
         prompt's prefix key, for a model routed by prefix affinity (``affinity``)."""
         if self.closed is not None:
             raise NotReady(self.closed, code="shutting_down", retry_after_s=1.0)
+        self.num_arrived += 1  # offered load, refused or not: the autoscaler's arrival rate
         if request.priority in self._unservable:
             raise InvalidRequest(
                 f"{self.model}: no pool serves priority {self.level_names[request.priority]}, "

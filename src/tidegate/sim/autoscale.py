@@ -71,7 +71,9 @@ class CoreAutoscaler:
 
     def decide(self, view: FleetView) -> Sequence[FleetAction]:
         counted = sum(1 for r in view.replicas if r.state in COUNTED)
-        delta = self.scale_delta(view.now, counted, view.num_ready, view.queued, view.in_flight)
+        delta = self.scale_delta(
+            view.now, counted, view.num_ready, view.queued, view.in_flight, view.arrived
+        )
         if delta == 0:
             return ()
         if delta > 0:
@@ -79,7 +81,13 @@ class CoreAutoscaler:
         return drain_least_busy(view, self.pool, -delta)
 
     def scale_delta(
-        self, now: float, replicas: int, ready: int, queued: float, in_flight: float
+        self,
+        now: float,
+        replicas: int,
+        ready: int,
+        queued: float,
+        in_flight: float,
+        arrived: float | None = None,
     ) -> int:
         """One ``decide_scale`` on counts: replicas to add (> 0) or drain (< 0).
 
@@ -96,7 +104,7 @@ class CoreAutoscaler:
         inputs = ScaleInputs(
             replicas=replicas,
             ready_replicas=ready,
-            demand=DemandSample(now, queued, in_flight),
+            demand=DemandSample(now, queued, in_flight, arrived),
             local_time=(local.weekday(), local.hour * 60 + local.minute),
             forecast_replicas=forecast,
         )

@@ -52,6 +52,7 @@ class FleetView:
     queued_by_level: tuple[int, ...]
     in_flight: int
     replicas: tuple[ReplicaStatus, ...]  # live ones: starting, warming, ready, draining
+    arrived: int = 0  # requests that arrived so far (a counter: the autoscaler's rate)
 
     @property
     def num_ready(self) -> int:

@@ -495,8 +495,9 @@ class FluidGroup:
     def _control(self, now: float) -> None:
         queued = sum(self.queued)
         if self.autoscaler is not None:
+            arrived = sum(t.arrivals for t in self.tally)  # the fluid counter of arrivals
             delta = self.autoscaler.scale_delta(
-                now, self.counted, self.ready, queued, self.in_flight()
+                now, self.counted, self.ready, queued, self.in_flight(), arrived
             )
         else:
             assert self.static_count is not None

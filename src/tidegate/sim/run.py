@@ -369,6 +369,7 @@ class Simulation:
             self.gateway.queue.depths(),
             self.fleet.in_flight,
             self.fleet.statuses(),
+            self._num_requests,
         )
 
     def _apply_decision(self) -> None:
