@@ -114,16 +114,9 @@ def surge() -> SurgeRun:
     calls: list[Call] = []
     measured = autoscaler.scale_delta
 
-    def recording(
-        now: float,
-        replicas: int,
-        ready: int,
-        queued: float,
-        in_flight: float,
-        arrived: float | None = None,
-    ) -> int:
-        delta: int = measured(now, replicas, ready, queued, in_flight, arrived)
-        calls.append((now, replicas, ready, queued, in_flight, arrived, delta))
+    def recording(*args: Any) -> int:  # the fluid passes all six positionally
+        delta: int = measured(*args)
+        calls.append((*args, delta))
         return delta
 
     with pytest.MonkeyPatch.context() as patch:
