@@ -19,14 +19,14 @@ worker model (`tidegate.sim`), differing only in who decides the replica count:
   panic;
 - tidegate: the config below: sized on the arrival rate at 95% of a replica's profiled
   capacity (`target_rate_per_replica`), 60 s down window (`DOWN_WINDOW_S`) with at most 10%
-  per minute, panic mode on the queue at 2x its target, a daytime schedule floor opened by
-  the cold start early;
+  per minute, panic mode on the queue at 2x its target, no daytime floor (`DAYTIME_FLOOR`);
 - oracle (`tidegate.sim.oracle`): knows how many requests the next 15 s bring and starts
   replicas with no cold start: the fewest replicas that serve them at its target utilisation.
 
 Knobs (the curves, on `--curve-day`): the HPA's target demand per replica (queued + in
-flight; 48 = 1.5 batches by default), tidegate's rate target as a share of capacity and its
-scale-down window, the oracle's target utilisation.
+flight; 48 = 1.5 batches by default), tidegate's rate target as a share of capacity, its
+scale-down window and a daytime schedule floor (08:00-23:00, opened by the cold start early),
+the oracle's target utilisation.
 
 Time: a day is replayed `--speedup` times faster (default 96: 15 minutes of simulated time)
 with every duration of the autoscalers and of the replica lifecycle divided alike (see
@@ -94,6 +94,11 @@ RATE_SHARE = 0.95
 # tidegate's scale-down window: 60 s. The rate over 30 s moves little between decisions,
 # so the window no longer has to outlast the queue's swings (300 s did, on the queue).
 DOWN_WINDOW_S = 60.0
+# tidegate's daytime schedule floor (08:00-23:00), replicas; 0: none. Sized on the queue, a
+# floor of 3 held the morning ramp; sized on the rate, it changed no SLO on any day and cost
+# up to 6.5 GPU-hours a day (docs/benchmarks.md), so the default has none and the curve
+# keeps it as a knob.
+DAYTIME_FLOOR = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +115,7 @@ KNOBS = (
     Knob("hpa-default", "target per replica", "target", DEFAULT_TARGET, (32, 48, 64), (48,)),
     Knob("tidegate", "rate share of capacity", "rate_share", RATE_SHARE, (0.9, 0.95, 1.0), (0.95,)),
     Knob("tidegate", "down window (s)", "down_window_s", DOWN_WINDOW_S, (60, 150, 300), (60,)),
+    Knob("tidegate", "daytime floor", "daytime_floor", DAYTIME_FLOOR, (0, 3), (0,)),
     Knob(
         "oracle",
         "target utilisation",
@@ -132,8 +138,11 @@ def config_for(
     down_window_s: float = DOWN_WINDOW_S,
     down_percent: int = 10,
     target_rate: float | None = None,
+    daytime_floor: float = DAYTIME_FLOOR,
 ) -> Any:
     rate = {} if target_rate is None else {"target_rate_per_replica": target_rate}
+    floor = int(daytime_floor)
+    daytime = [{"days": "daily", "from": "08:00", "to": "23:00", "min_replicas": floor}]
     return parse_config(
         {
             "pools": {"shared": {"priorities": ["high", "medium", "low"], "devices": ["cpu"]}},
@@ -163,9 +172,7 @@ def config_for(
                         },
                         "panic": {"threshold": 2, "window_s": 15},
                         "cold_start_s": LIFECYCLE.cold_start_s + LIFECYCLE.warmup_s,
-                        "schedules": [
-                            {"days": "daily", "from": "08:00", "to": "23:00", "min_replicas": 3}
-                        ],
+                        "schedules": daytime if floor > MIN_REPLICAS else [],
                     },
                 }
             ],
@@ -211,12 +218,18 @@ class Bench:
         down_window_s: float = DOWN_WINDOW_S,
         utilisation: float = DEFAULT_TARGET_UTILISATION,
         rate_share: float = RATE_SHARE,
+        daytime_floor: float = DAYTIME_FLOOR,
     ) -> dict[str, Any]:
         args = self.args
         target_rate = rate_share * self.capacity_per_s
         scenario = Scenario(
             config_for(
-                args.profile, args.peak_replicas, target, down_window_s, target_rate=target_rate
+                args.profile,
+                args.peak_replicas,
+                target,
+                down_window_s,
+                target_rate=target_rate,
+                daytime_floor=daytime_floor,
             ),
             "minilm",
             load_service(str(args.profile)),
@@ -242,7 +255,7 @@ class Bench:
         changes = getattr(controller, "decisions", None) or getattr(controller, "changes", [])
         settings = (
             f"target {target:g}, rate share {rate_share:g}, down {down_window_s:g} s, "
-            f"utilisation {utilisation:g}"
+            f"utilisation {utilisation:g}, daytime floor {daytime_floor:g}"
         )
         print(f"  {day.name}: {name} ({settings}): {cpu_s:.0f} s CPU", file=sys.stderr)
         return {
