@@ -144,6 +144,8 @@ def test_recommendation_follows_the_knee_of_each_sweep() -> None:
     # 16 in flight is 7.5% above 8 in flight, 32 in flight breaks the SLO.
     assert settings["slots"] == 16
     assert settings["autoscaling.target_per_replica"] == 16
+    # The rate it serves there, for sizing on arrivals/s.
+    assert settings["autoscaling.target_rate_per_replica"] == 215
     assert settings["memory_mb"] == 500
     assert settings["queue.max_size"] == 215 * QUEUE_DRAIN_S
     assert settings["queue.holdback"] == {"medium": 0.9, "low": 0.7}
@@ -234,7 +236,11 @@ def test_recommended_yaml_is_a_model_entry_with_a_reason_per_setting(tmp_path: P
         assert lines[index - 1].strip() == f"# {setting.why}"
     (entry,) = yaml.safe_load(text)["models"]
     assert entry["batching"] == {"max_batch_size": 8, "batch_window_ms": 2.0}
-    assert entry["autoscaling"] == {"target_per_replica": 16, "max_replicas": 1}
+    assert entry["autoscaling"] == {
+        "target_per_replica": 16,
+        "target_rate_per_replica": 215.0,
+        "max_replicas": 1,
+    }
     # As written, it is a configuration `tidegate serve` takes.
     path = tmp_path / "recommended.yaml"
     path.write_text(text)
@@ -243,6 +249,7 @@ def test_recommended_yaml_is_a_model_entry_with_a_reason_per_setting(tmp_path: P
     assert model.memory_mb == 500
     assert model.autoscaling is not None
     assert model.autoscaling.target_per_replica == 16
+    assert model.autoscaling.target_rate_per_replica == 215.0
 
 
 GENERATE_POINTS = [
@@ -273,7 +280,10 @@ def test_generation_curves_leave_out_queued_concurrency(tmp_path: Path) -> None:
     )
     run = record(tmp_path, options=options, task="generate")
     rec = recommend(GENERATE_POINTS, options.slo, "generate", local=True)
-    assert {s.key: s.value for s in rec.settings}["batching.max_num_seqs"] == 16
+    settings = {s.key: s.value for s in rec.settings}
+    assert settings["batching.max_num_seqs"] == 16
+    # A chat's cost is its lengths: no rate target is recommended for generation.
+    assert "autoscaling.target_rate_per_replica" not in settings
     write_outputs(tmp_path, run, GENERATE_POINTS, rec)
     profile = load_profile(tmp_path / "profile.json")
     assert profile.ttft_ms is not None

@@ -157,6 +157,9 @@ def test_recommended_yaml_configures_the_gateway(embeddings_round_trip: Path) ->
     assert model.slots == entry["slots"]
     assert model.autoscaling is not None
     assert model.autoscaling.target_per_replica == entry["slots"]
+    rate = entry["autoscaling"]["target_rate_per_replica"]  # the profiled engine's rate
+    assert rate > 0
+    assert model.autoscaling.target_rate_per_replica == rate
     assert model.memory_mb == 300  # what the simulated engine reports
 
 

@@ -157,7 +157,7 @@ def recommend(
     memory = _memory_mb(points, op.batch_size)
     settings = _batching(by_sweep, task, local) + _flow(final, task, sustained_rps)
     if local:  # an openai model's servers are started and scaled outside tidegate
-        settings += _replica(final, task, memory)
+        settings += _replica(final, task, memory, sustained_rps)
     summary = _summary(final, points, by_sweep, slo, task, stopped)
     return Recommendation(record, tuple(settings), memory, summary, knees, final)
 
@@ -196,7 +196,9 @@ def _batching(by_sweep: dict[str, SweepKnee], task: str, local: bool) -> list[Se
     return settings
 
 
-def _flow(final: SweepKnee, task: str, sustained_rps: float | None) -> list[Setting]:
+def _served(final: SweepKnee, sustained_rps: float | None) -> tuple[float, str]:
+    """Requests/s one replica serves, and the words that say which measurement gave it: the
+    knee's throughput, or the open-loop point's where that is lower (module docstring)."""
     op = final.point
     rps, basis = op.throughput_rps, f"the knee's {op.throughput_rps:.4g} req/s per replica"
     if sustained_rps is not None and 0 < sustained_rps < rps:
@@ -205,7 +207,12 @@ def _flow(final: SweepKnee, task: str, sustained_rps: float | None) -> list[Sett
             f"{rps:.4g} req/s per replica, what one replica sustains when arrivals keep coming "
             f"(the open-loop point; the knee's closed loop gave {op.throughput_rps:.4g})"
         )
-    rps = max(rps, 1e-9)
+    return max(rps, 1e-9), basis
+
+
+def _flow(final: SweepKnee, task: str, sustained_rps: float | None) -> list[Setting]:
+    op = final.point
+    rps, basis = _served(final, sustained_rps)
     max_size = max(1, math.ceil(rps * QUEUE_DRAIN_S))
     seconds = {level: fraction * max_size / rps for level, fraction in HOLDBACK.items()}
     return [
@@ -220,7 +227,9 @@ def _flow(final: SweepKnee, task: str, sustained_rps: float | None) -> list[Sett
     ]
 
 
-def _replica(final: SweepKnee, task: str, memory_mb: float) -> list[Setting]:
+def _replica(
+    final: SweepKnee, task: str, memory_mb: float, sustained_rps: float | None
+) -> list[Setting]:
     """What placement and the autoscaler need of one replica."""
     op = final.point
     settings = []
@@ -228,13 +237,21 @@ def _replica(final: SweepKnee, task: str, memory_mb: float) -> list[Setting]:
         kind = "max batch" if op.batch_window_ms is not None else "max_num_seqs"
         why = f"peak memory of a worker with {kind} {op.batch_size}: the highest of its points"
         settings.append(Setting("memory_mb", math.ceil(memory_mb), why))
-    return [
-        *settings,
+    settings.append(
         Setting(
             "autoscaling.target_per_replica",
             op.concurrency,
             f"demand (queued + in flight) one replica serves within the SLO: {_measured(op, task)}",
-        ),
+        )
+    )
+    if task != "generate":
+        # Sized on arrivals/s (bench_autoscale: nearer the oracle's GPU-hours than the queue).
+        # Not for generation: a request's cost there is its lengths, which the rate ignores.
+        rps, basis = _served(final, sustained_rps)
+        why = f"arrivals/s one replica serves within the SLO: {basis}"
+        settings.append(Setting("autoscaling.target_rate_per_replica", float(f"{rps:.4g}"), why))
+    return [
+        *settings,
         Setting(
             "autoscaling.max_replicas",
             1,
