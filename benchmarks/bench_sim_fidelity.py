@@ -53,6 +53,11 @@ the run, or for generation the step prices of the engine's own step table over t
 which judges the simulator's model of the stack apart from how far the engine's speed moved
 between the profile and the run.
 
+The host's own steadiness (``--host-probe-s``, 30 s by default, before the first profile and
+after the last run, nothing else running): ``host_speed.py`` times the same work on one
+thread over and over; its p90/p10 says how far this machine's speed moved by itself. Printed
+beside the noise floor, not a target.
+
 Run (a through-gateway profile, about 1.5 minutes, then about 1.5 minutes per policy, for
 each load):
     HF_HUB_OFFLINE=1 flock /tmp/bench.lock nice .venv/bin/python benchmarks/bench_sim_fidelity.py
@@ -61,7 +66,7 @@ each load):
         [--engine-process (minilm: the model's engine_process)]
         [--loads 0.5,0.8,1.2] [--policies fifo,priority] [--duration-s 40] [--drain-s 30]
         [--runs-dir DIR (keep the run files)] [--json out.json] [--quick] [--verdict v.json]
-        [--no-repeat-real (no noise floor: a third shorter)]
+        [--no-repeat-real (no noise floor: a third shorter)] [--host-probe-s 30 (0: none)]
 Every process it starts is stopped at the end; logs are kept only when a run fails.
 """
 
@@ -77,6 +82,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, replace
@@ -1082,19 +1088,52 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs-dir", type=Path, help="write each real run's run file here")
+    parser.add_argument(
+        "--host-probe-s",
+        type=float,
+        default=30.0,
+        help="time the host's own speed this long before and after the runs (0: not at all)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--verdict", type=Path, help="write the PASS/MISS rows as JSON here")
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a smoke run: load 0.8 only, 10 s of arrivals, 10 s of drain",
+        help="a smoke run: load 0.8 only, 10 s of arrivals, 10 s of drain, 5 s host probes",
     )
     args = parser.parse_args()
     if args.quick:
         args.loads, args.duration_s, args.drain_s = "0.8", 10.0, 10.0
+        args.host_probe_s = min(args.host_probe_s, 5.0)
     if args.engine == "simulated" and args.engine_profile is None:
         parser.error("--engine simulated needs --engine-profile (what the engine replays)")
     return args
+
+
+def host_probe(seconds: float, when: str) -> dict[str, Any] | None:
+    """``host_speed.py`` in a child process (its torch stays out of this one)."""
+    if seconds <= 0:
+        return None
+    script = Path(__file__).resolve().parent / "host_speed.py"
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "host.json"
+        command = [sys.executable, str(script), "--seconds", f"{seconds:g}", "--json", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 120)
+        if done.returncode != 0:
+            print(f"  host probe ({when}) failed: {done.stderr.strip()[-300:]}", flush=True)
+            return None
+        print(f"  {when}: {done.stdout.strip()}", flush=True)
+        return {"when": when, **json.loads(out.read_text())}
+
+
+def host_lines(probes: list[dict[str, Any]]) -> list[str]:
+    """The host probes, for the noise section."""
+    return [
+        f"host, {p['when']}: the same work on one thread took p90/p10 {p['spread']:.2f}x, "
+        f"max/min {p['range']:.2f}x of its CPU time over {p['seconds']:.0f} s "
+        f"(benchmarks/host_speed.py; not a target)"
+        for p in probes
+    ]
 
 
 def main() -> int:
@@ -1114,6 +1153,7 @@ def main() -> int:
     repeats: list[Repeat] = []
     failure = ""
     capacity = math.nan
+    probes = [p for p in [host_probe(args.host_probe_s, "before the runs")] if p]
     try:
         with lg.processes("bench_sim_fidelity") as logdir:  # SIGTERM too: every child stopped
             fixed = args.profile is not None
@@ -1139,6 +1179,8 @@ def main() -> int:
     except BaseException:
         failure = traceback.format_exc()
         traceback.print_exc()
+    if outcomes:
+        probes += [p for p in [host_probe(args.host_probe_s, "after the runs")] if p]
     write_verdicts(
         args.verdict,
         "bench_sim_fidelity",
@@ -1164,6 +1206,9 @@ def main() -> int:
         print("\n".join(repeat_lines(repeats)))
         print()
         print("\n".join(noise_floor(repeats)))
+    if probes:
+        print()
+        print("\n".join(host_lines(probes)))
     print("```")
     for line in verdicts(outcomes, repeats):
         print(line)
@@ -1191,6 +1236,7 @@ def main() -> int:
                         for r in repeats
                     ],
                     "noise_floor": noise_floor(repeats) if repeats else [],
+                    "host_speed": probes,
                 },
                 indent=2,
             )
