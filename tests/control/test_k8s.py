@@ -42,13 +42,18 @@ from tidegate.core.autoscale import (
     DEFAULT_SCALE_UP,
     HPA_DEFAULT_SCALE_DOWN,
     AutoscaleConfig,
+    DemandSample,
+    ScaleInputs,
+    ScaleState,
     ScalingPolicy,
     ScalingRules,
     Schedule,
+    decide_scale,
     replay_scale,
 )
 from tidegate.errors import ConfigError, NotReady
 from tidegate.gateway.forward import outcome_of as _outcome_of
+from tidegate.gateway.observe import ARRIVALS
 from tidegate.metrics import GatewayMetrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -889,12 +894,86 @@ def test_drain_hook_lets_a_running_batch_finish(tmp_path: Path) -> None:
         assert (readyz.status_code, readyz.json()["status"]) == (503, "draining")
 
 
-def test_a_rate_target_is_named_in_the_notes_not_dropped() -> None:
-    config = scaled_model(
-        {"max_replicas": 4, "target_per_replica": 8, "target_rate_per_replica": 50}
+RATE_SCALED = {
+    "min_replicas": 1,
+    "max_replicas": 12,
+    "target_per_replica": 8,
+    "target_rate_per_replica": 50,
+    "stable_window_s": 30,
+}
+
+
+def test_a_rate_target_renders_the_gateways_arrival_counter() -> None:
+    config = scaled_model(RATE_SCALED)
+    manifests = render(config)
+    (hpa,) = kind(manifests, "HorizontalPodAutoscaler")
+    external = hpa["spec"]["metrics"][0]["external"]
+    assert external["metric"]["name"] == "tidegate_arrivals_per_s_30s"
+    assert external["target"] == {"type": "AverageValue", "averageValue": "50"}
+    (rule,) = adapter_rules(manifests)
+    assert rule["name"]["matches"] == "^tidegate_arrivals_total$"
+    assert rule["name"]["as"] == external["metric"]["name"]
+    assert rule["seriesQuery"].startswith("tidegate_arrivals_total{")
+    assert rule["metricsQuery"] == "sum(rate(<<.Series>>{<<.LabelMatchers>>}[30s]))"
+    # The counter the gateway exports (gateway/observe.py; tests/gateway/test_serve.py).
+    assert f"{ARRIVALS}_total" == k8s_scaling.RATE_METRIC
+    assert not any("arrival rate" in note for note in manifests.notes)
+    for version in VERSIONS:
+        kubernetes_validate.validate(hpa, version, strict=True)
+    keda = render(config, keda=True)
+    (scaled,) = kind(keda, "ScaledObject")
+    demand = next(t for t in scaled["spec"]["triggers"] if t["name"] == "demand")["metadata"]
+    assert demand["query"] == (
+        f'sum(rate(tidegate_arrivals_total{{namespace="{NAMESPACE}",model="sim"}}[30s]))'
     )
-    notes = render(config).notes
-    assert any("sim: target_rate_per_replica is not rendered" in n for n in notes)
+    assert demand["threshold"] == "50"
+    check_scaled_object(scaled, keda, VERSIONS[-1])
+
+
+def test_a_rate_over_a_shorter_window_than_two_scrapes_is_widened_and_said() -> None:
+    config = scaled_model({**RATE_SCALED, "stable_window_s": 0})
+    manifests = render(config)
+    (hpa,) = kind(manifests, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["metrics"][0]["external"]["metric"]["name"].endswith("_30s")
+    assert any("sim: the arrival rate is taken over 30 s" in note for note in manifests.notes)
+
+
+def test_rendered_rate_target_scales_as_the_builtin_rate_path() -> None:
+    """Given the same arrival rate, the HPA's arithmetic on the rendered metric (ceil(rate /
+    averageValue), the tolerance, the behavior) is the core's rate path, decision by
+    decision. The rate itself differs by its window's edges (PromQL extrapolates; the core
+    counts from the last decision at or before the window's start): module docstring."""
+    config = scaled_model(RATE_SCALED)
     model = config.model("sim")
     assert model.autoscaling is not None
-    assert model.autoscaling.target_rate_per_replica == 50.0
+    ours = hpa_part(model.autoscaling)
+    (hpa,) = kind(render(config), "HorizontalPodAutoscaler")
+    spec = hpa["spec"]
+    theirs = AutoscaleConfig(
+        min_replicas=spec["minReplicas"],
+        max_replicas=spec["maxReplicas"],
+        target_per_replica=parse_quantity(spec["metrics"][0]["external"]["target"]["averageValue"]),
+        tolerance=k8s_scaling.HPA_DEFAULT_TOLERANCE,
+        stable_window_s=0.0,  # the averaging is the query's rate window
+        scale_up=rules_from_behavior(spec["behavior"]["scaleUp"]),
+        scale_down=rules_from_behavior(spec["behavior"]["scaleDown"]),
+    )
+    # Ours on the gateway's counter: arrivals per 15 s from the tidal demand series, read
+    # as a rate per second (the series' outage: no sample, held by both).
+    replicas, state, arrived = ours.min_replicas, ScaleState(), 0.0
+    decisions = []
+    for at, level in demand_series():
+        sample = None
+        if level is not None:
+            arrived += level * 15 * 2  # 2 arrivals/s per unit of the series: up to 12 x 50/s
+            sample = DemandSample(at, queued=0.0, in_flight=0.0, arrived=arrived)
+        inputs = ScaleInputs(replicas=replicas, ready_replicas=replicas, demand=sample)
+        decision, state = decide_scale(inputs, state, ours, at)
+        replicas = decision.desired_replicas
+        decisions.append(decision)
+    series = tuple(d.desired_replicas for d in decisions)
+    # Theirs: the same rates, as the HPA reads its External metric.
+    rates = [(d.decided_at, d.rate) for d in decisions]
+    assert sum(rate is not None for _, rate in rates) > len(rates) * 0.9
+    assert replay_scale(rates, theirs, initial_replicas=ours.min_replicas) == series
+    assert len(set(series)) > 2, "the load must move the count for the check to mean much"

@@ -85,8 +85,13 @@ def test_metrics_expose_queue_outcomes_and_the_autoscaling_signal(embedded: Proc
         "tidegate_request_duration_seconds_bucket{",
         "inference_queue_depth{",
         'tidegate_requests_total{model="minilm",outcome="completed"',
+        'tidegate_arrivals_total{model="minilm"}',
     ):
         assert name in text, name
+    # The offered load, counted as the autoscaler counts it: the one embedding above at least.
+    series = 'tidegate_arrivals_total{model="minilm"}'
+    (arrivals,) = (line for line in text.splitlines() if line.startswith(series))
+    assert float(arrivals.rpartition(" ")[2]) >= 1
 
 
 def _sim_config(tmp_path: Path, latency_ms: float = 20.0, **extra: object) -> Path:

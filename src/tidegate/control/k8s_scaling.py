@@ -7,6 +7,13 @@
   ``cron`` triggers (floors), scale to zero, and the same ``behavior``;
 - the Prometheus Adapter ``externalRules`` that turn the gauge into that External metric.
 
+With ``target_rate_per_replica`` the metric is the arrival rate instead: the gateways'
+``tidegate_arrivals_total{model}`` as ``sum(rate(...[W]))`` over the core's stable window
+(at least ``RATE_MIN_WINDOW_S``: a rate needs two scrapes), with that rate as the
+``AverageValue`` target: ``ceil(rate / target_rate_per_replica)``, the core's rate path.
+PromQL's ``rate`` extrapolates to the window's edges where the core counts from the last
+decision at or before the window's start; over a steady load the two agree.
+
 Why an External metric with an ``AverageValue`` target: the gateways export
 ``inference_queue_depth{model}`` = (queued + in flight) / ready upstreams, and in a cluster
 each model is one upstream (its Service), so the gauge is the model's whole demand on that
@@ -35,6 +42,8 @@ from tidegate.errors import ConfigError
 METRIC = "inference_queue_depth"  # tidegate.metrics.GatewayMetrics.queue_depth_per_replica
 METRIC_LABEL = "model"
 REJECTED_METRIC = "tidegate_requests_total"
+RATE_METRIC = "tidegate_arrivals_total"  # tidegate.gateway.observe.ArrivalsCollector
+RATE_MIN_WINDOW_S = 30  # two scrapes at Prometheus' common 15 s interval
 REJECTED_OUTCOME = "rejected_unavailable"  # what a request to a model at zero replicas gets
 HPA_DEFAULT_TOLERANCE = 0.1  # kube-controller-manager --horizontal-pod-autoscaler-tolerance
 HPA_SYNC_PERIOD_S = 15.0  # --horizontal-pod-autoscaler-sync-period
@@ -60,15 +69,35 @@ class ScaleTarget:
 
 def metric_name(config: AutoscaleConfig) -> str:
     """The External metric an autoscaled model reads: the gauge averaged over the core's
-    ``stable_window_s`` (the raw gauge when 0)."""
+    ``stable_window_s`` (the raw gauge when 0); with a rate target, the arrival rate."""
+    if config.target_rate_per_replica is not None:
+        return _rate_name(rate_window_s(config))
     window_s = _whole_seconds(config.stable_window_s)
     return METRIC if window_s == 0 else f"{METRIC}_avg_{window_s}s"
 
 
+def rate_window_s(config: AutoscaleConfig) -> int:
+    """The window of the arrival rate: the core's stable window, at least two scrapes."""
+    return max(RATE_MIN_WINDOW_S, _whole_seconds(config.stable_window_s))
+
+
+def _rate_name(window_s: int) -> str:
+    return f"tidegate_arrivals_per_s_{window_s}s"
+
+
+def target_value(config: AutoscaleConfig) -> float:
+    """What one replica should carry of the metric: the rate target, else the demand."""
+    rate = config.target_rate_per_replica
+    return config.target_per_replica if rate is None else rate
+
+
 def adapter_rules(configs: list[AutoscaleConfig]) -> dict[str, Any]:
-    """Prometheus Adapter ``externalRules``: one per averaging window in use."""
+    """Prometheus Adapter ``externalRules``: one per averaging window in use, and one per
+    arrival-rate window."""
     rules: list[dict[str, Any]] = []
-    for window_s in sorted({_whole_seconds(c.stable_window_s) for c in configs}):
+    by_rate = [c for c in configs if c.target_rate_per_replica is not None]
+    on_queue = [c for c in configs if c.target_rate_per_replica is None]
+    for window_s in sorted({_whole_seconds(c.stable_window_s) for c in on_queue}):
         series = "<<.Series>>{<<.LabelMatchers>>}"
         inner = series if window_s == 0 else f"avg_over_time({series}[{window_s}s])"
         name = METRIC if window_s == 0 else f"{METRIC}_avg_{window_s}s"
@@ -81,11 +110,24 @@ def adapter_rules(configs: list[AutoscaleConfig]) -> dict[str, Any]:
                 "metricsQuery": f"sum({inner})",
             }
         )
+    for window_s in sorted({rate_window_s(c) for c in by_rate}):
+        rules.append(
+            {
+                "seriesQuery": f'{RATE_METRIC}{{namespace!="",{METRIC_LABEL}!=""}}',
+                "resources": {"overrides": {"namespace": {"resource": "namespace"}}},
+                "name": {"matches": f"^{RATE_METRIC}$", "as": _rate_name(window_s)},
+                # Summed over the gateway copies: each counts the requests it was sent.
+                "metricsQuery": f"sum(rate(<<.Series>>{{<<.LabelMatchers>>}}[{window_s}s]))",
+            }
+        )
     return {"externalRules": rules}
 
 
 def prometheus_query(config: AutoscaleConfig, model: str, namespace: str) -> str:
     """The PromQL KEDA asks: the same sum as the adapter's rule, for one model."""
+    if config.target_rate_per_replica is not None:
+        series = f'{RATE_METRIC}{{namespace="{namespace}",{METRIC_LABEL}="{model}"}}'
+        return f"sum(rate({series}[{rate_window_s(config)}s]))"
     series = f'{METRIC}{{namespace="{namespace}",{METRIC_LABEL}="{model}"}}'
     window_s = _whole_seconds(config.stable_window_s)
     return f"sum({series})" if window_s == 0 else f"sum(avg_over_time({series}[{window_s}s]))"
@@ -178,7 +220,7 @@ def _external_metric(config: AutoscaleConfig, target: ScaleTarget) -> dict[str, 
             },
             "target": {
                 "type": "AverageValue",
-                "averageValue": quantity(config.target_per_replica),
+                "averageValue": quantity(target_value(config)),
             },
         },
     }
@@ -197,10 +239,11 @@ def hpa_notes(config: AutoscaleConfig, model: str, keda: bool) -> list[str]:
             f"{model}: interval_s {config.interval_s:g} differs from the HPA's sync period "
             f"({HPA_SYNC_PERIOD_S:g} s, a kube-controller-manager flag for the whole cluster)"
         )
-    if config.target_rate_per_replica is not None:
+    rate = config.target_rate_per_replica
+    if rate is not None and rate_window_s(config) != _whole_seconds(config.stable_window_s):
         notes.append(
-            f"{model}: target_rate_per_replica is not rendered (the HPA sizes on the queue "
-            f"gauge and target_per_replica {config.target_per_replica:g})"
+            f"{model}: the arrival rate is taken over {rate_window_s(config)} s, not the "
+            f"stable window's {config.stable_window_s:g} s (a rate needs two scrapes)"
         )
     down, up = config.tolerances()
     if up != HPA_DEFAULT_TOLERANCE or down != HPA_DEFAULT_TOLERANCE:
@@ -273,7 +316,7 @@ def _demand_trigger(
         "metadata": {
             "serverAddress": prometheus_url,
             "query": prometheus_query(config, target.model, target.namespace),
-            "threshold": quantity_decimal(config.target_per_replica),
+            "threshold": quantity_decimal(target_value(config)),
             "activationThreshold": "0",
             # No series is a broken metrics path, not zero demand: hold (the core's rule).
             "ignoreNullValues": "false",

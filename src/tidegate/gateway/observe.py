@@ -9,6 +9,11 @@ disappears, one scaled out appears once it has bound. Upstream servers (vLLM, SG
 OpenAI-compatible URL) are not listed: they are not tidegate workers and may not serve
 ``/metrics``; scrape them with their own job. Admin role whenever keys are configured.
 
+``tidegate_arrivals_total{model}`` counts the requests submitted to each model's queue,
+refused ones included (the dispatcher's ``num_arrived``: the offered load the autoscaler's
+``target_rate_per_replica`` sizes on, and what ``tidegate k8s render`` gives an HPA for it),
+read at each scrape.
+
 ``tidegate_replica_info{model,replica,pool,device,url}`` is 1 for every replica the gateway
 knows, read from the replica set at each scrape (a collector, so it can never lag behind):
 ``device`` is where the orchestrator placed it (``cpu``, ``cuda:N`` or a declared device id;
@@ -22,7 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tidegate.gateway.auth import authorize_admin
@@ -31,6 +36,7 @@ from tidegate.gateway.state import Gateway
 
 TARGETS_PATH = "/admin/prometheus/targets"
 REPLICA_INFO = "tidegate_replica_info"
+ARRIVALS = "tidegate_arrivals"  # exposed as tidegate_arrivals_total
 REPLICA_INFO_LABELS = ("model", "replica", "pool", "device", "url")
 _GONE = (ReplicaState.STOPPED, ReplicaState.FAILED)  # no process behind the address
 
@@ -38,6 +44,7 @@ _GONE = (ReplicaState.STOPPED, ReplicaState.FAILED)  # no process behind the add
 def add_observe_routes(app: FastAPI, gateway: Gateway) -> None:
     """The service-discovery route, and ``tidegate_replica_info`` in the gateway's registry."""
     gateway.metrics.registry.register(ReplicaInfoCollector(gateway))
+    gateway.metrics.registry.register(ArrivalsCollector(gateway))
 
     @app.get(TARGETS_PATH)
     async def prometheus_targets(request: Request) -> list[dict[str, Any]]:
@@ -82,6 +89,32 @@ class ReplicaInfoCollector(Collector):
                 labels = (model, replica.id, replica.pool, device, replica.url or "")
                 family.add_metric(labels, 1.0)
         yield family
+
+
+class ArrivalsCollector(Collector):
+    """``tidegate_arrivals_total``: each dispatcher's count of submitted requests, read at
+    the scrape (no work on the request path beyond the count the autoscaler keeps)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def describe(self) -> Iterable[Metric]:
+        return [_arrivals()]
+
+    def collect(self) -> Iterator[Metric]:
+        family = _arrivals()
+        for model in sorted(self.gateway.dispatchers):
+            family.add_metric((model,), float(self.gateway.dispatchers[model].num_arrived))
+        yield family
+
+
+def _arrivals() -> CounterMetricFamily:
+    return CounterMetricFamily(
+        ARRIVALS,
+        "Requests submitted to a model's queue, refused ones included: the offered load "
+        "(autoscaling.target_rate_per_replica sizes on its rate).",
+        labels=("model",),
+    )
 
 
 def device_of(gateway: Gateway, replica: Replica) -> str:
