@@ -439,7 +439,17 @@ def test_gpu_asks(example: str, deployment: str, expected: dict[str, str]) -> No
 
 
 def parse_quantity(text: str) -> float:
-    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    scales = {"m": 1e3, "u": 1e6, "n": 1e9}
+    return int(text[:-1]) / scales[text[-1]] if text[-1] in scales else float(text)
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [(12, "12"), (0.5, "500m"), (273.55, "273550m"), (0.0005, "500u"), (0.1234567, "123456700n")],
+)
+def test_quantities_keep_the_value_whole(value: float, text: str) -> None:
+    assert k8s_scaling.quantity(value) == text
+    assert parse_quantity(text) == pytest.approx(value)
 
 
 def rules_from_behavior(rules: dict[str, Any]) -> ScalingRules:

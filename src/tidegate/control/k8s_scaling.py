@@ -181,10 +181,13 @@ def _whole_seconds(value: float) -> int:
 
 
 def quantity(value: float) -> str:
-    """A Kubernetes quantity: ``12``, ``0.5`` as ``500m``."""
-    if value == int(value):
-        return str(int(value))
-    return f"{round(value * 1000)}m"
+    """A Kubernetes quantity: ``12``, ``0.5`` as ``500m``, ``0.0005`` as ``500u``; in the
+    largest unit that holds the value whole, else in nano units (the finest there is)."""
+    for scale, suffix in ((1, ""), (1_000, "m"), (1_000_000, "u")):
+        scaled = value * scale
+        if abs(scaled - round(scaled)) <= 1e-9 * max(1.0, abs(scaled)):
+            return f"{round(scaled)}{suffix}"
+    return f"{round(value * 1_000_000_000)}n"
 
 
 # ----------------------------------------------------------------------------- HPA
