@@ -43,7 +43,9 @@ refusals included) than the HPA default.
 
 Also printed per day: the fluid bound, the GPU-hours of fractional replicas at full load
 (and the floor of 2) with no lag: below what any count of whole replicas can reach, the
-oracle included.
+oracle included; and for each controller its scale changes and how many of them reversed
+the change before within 10 minutes of the real day (flaps: replicas started and drained
+again for nothing).
 
 Run (28 simulations: about 4 minutes of CPU at `--speedup 192`, twice that at the default
 96; `--quick`: 2 days, each 8x more compressed, at most 2 points per curve, 2 minutes):
@@ -57,6 +59,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import itertools
 import json
 import platform
 import sys
@@ -186,6 +189,28 @@ def _misses(klass: dict[str, Any]) -> int:
     return int(klass["requests"] - round((klass["slo_attainment"] or 0.0) * klass["requests"]))
 
 
+REVERSAL_S = 600.0  # a change that undoes the one before within this much real time: a flap
+
+
+def _moves(changes: list[Any]) -> list[tuple[float, int, int]]:
+    """(at, from, to) of each change: a core ``ScaleDecision`` or the oracle's tuple."""
+    return [
+        (c.decided_at, c.current_replicas, c.desired_replicas) if hasattr(c, "decided_at") else c
+        for c in changes
+    ]
+
+
+def reversals(changes: list[Any], speedup: float) -> int:
+    """Changes in the other direction from the one before, within ``REVERSAL_S`` of the
+    real day: replicas started and drained again (or drained and started) for nothing."""
+    moves = _moves(changes)
+    return sum(
+        1
+        for (at, a, b), (then, c, d) in itertools.pairwise(moves)
+        if (b > a) != (d > c) and (then - at) * speedup < REVERSAL_S
+    )
+
+
 def _controller(name: str, utilisation: float) -> str:
     """The ``CONTROLLERS`` name of ``name``: an oracle is registered per target utilisation;
     the others read their knobs from the config."""
@@ -268,6 +293,7 @@ class Bench:
             "misses": sum(_misses(c) for c in summary["classes"].values()),
             "high_p99_s": high["e2e_s"]["p99"],
             "scale_changes": len(changes),
+            "reversals": reversals(changes, args.speedup),
             "peak_ready": max(s[3] for s in result.recorder.samples),
             "requests": result.num_requests,
             "cpu_s": cpu_s,
@@ -327,9 +353,10 @@ def print_tables(args: argparse.Namespace, out: dict[str, Any]) -> None:
     )
     print(
         "| day | controller | GPU-hours / day | vs static | vs oracle | high within 250 ms | "
-        "high misses | SLO misses, all | high p99 | scale changes | peak ready | requests |"
+        "high misses | SLO misses, all | high p99 | scale changes | reversed in 10 min | "
+        "peak ready | requests |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in out["rows"]:
         static, oracle = (_row(out, row["day"], name) for name in ("static-peak", "oracle"))
         if row["controller"] == CONTROLLER_NAMES[0]:
@@ -337,14 +364,15 @@ def print_tables(args: argparse.Namespace, out: dict[str, Any]) -> None:
             print(
                 f"| {row['day']} | fluid bound | {bound:.1f} | "
                 f"{bound / static['gpu_hours'] - 1:+.1%} | "
-                f"{bound / oracle['gpu_hours']:.2f}x | | | | | | | |"
+                f"{bound / oracle['gpu_hours']:.2f}x | | | | | | | | |"
             )
         print(
             f"| {row['day']} | {row['controller']} | {row['gpu_hours']:.1f} | "
             f"{row['gpu_hours'] / static['gpu_hours'] - 1:+.1%} | "
             f"{row['gpu_hours'] / oracle['gpu_hours']:.2f}x | {_pct(row['high_slo'])} | "
             f"{row['high_misses']:,} | {row['misses']:,} | {row['high_p99_s'] * 1e3:.0f} ms | "
-            f"{row['scale_changes']} | {row['peak_ready']} | {row['requests']:,} |"
+            f"{row['scale_changes']} | {row['reversals']} | {row['peak_ready']} | "
+            f"{row['requests']:,} |"
         )
     print(f"\nCurves on {out['curve_day']} (* the default):\n")
     print("| controller | knob | value | GPU-hours / day | high within 250 ms | SLO misses, all |")
