@@ -31,7 +31,7 @@ DOWN_WINDOW_S = 4.0
 INTERVAL_S = 0.5
 
 
-def _config(tmp_path: Path) -> Path:
+def _config(tmp_path: Path, **autoscaling: Any) -> Path:
     profile = tmp_path / "profile.json"
     profile.write_text(
         json.dumps(
@@ -69,6 +69,7 @@ def _config(tmp_path: Path) -> Path:
                         "select_policy": "max",
                         "policies": [{"type": "pods", "value": 1, "period_s": INTERVAL_S}],
                     },
+                    **autoscaling,
                 },
             }
         ],
@@ -159,3 +160,31 @@ def test_burst_scales_up_then_down_after_the_window_and_loses_nothing(tmp_path: 
     # The configured replica and the two the burst added.
     assert 'tidegate_cold_start_seconds_count{model="sim"} 3.0' in metrics
     assert drained in metrics
+
+
+def _arrivals(metrics: str) -> float:
+    series = 'tidegate_arrivals_total{model="sim"} '
+    (line,) = (line for line in metrics.splitlines() if line.startswith(series))
+    return float(line.removeprefix(series))
+
+
+def test_a_rate_target_scales_on_the_arrivals_the_gateway_counts(tmp_path: Path) -> None:
+    # 5 arrivals/s per replica: one replica alone serves ~27/s to 16 clients, so the count
+    # goes to the maximum; with no traffic the rate is 0 and it comes back to 1.
+    config = _config(tmp_path, target_rate_per_replica=5, stable_window_s=1)
+    with gateway_process("--config", str(config)) as gateway:
+        with _load(gateway.url, clients=16) as burst:
+            wait_for(lambda: _autoscaler(gateway.url)["replicas"] == 3, timeout_s=DEADLINE_S)
+            served = burst.served()
+            wait_for(lambda: burst.served() >= served + 50, timeout_s=2 * DEADLINE_S)
+        wait_for(lambda: _autoscaler(gateway.url)["replicas"] == 1, timeout_s=2 * DEADLINE_S)
+        state = _autoscaler(gateway.url)
+        metrics = _metrics(gateway.url)
+    assert burst.errors == []
+    assert set(burst.statuses) == {200}
+    # Every request counted once as it arrived: the counter an HPA reads (k8s render).
+    assert _arrivals(metrics) == sum(burst.statuses.values())
+    up = next(d for d in state["decisions"] if d["direction"] == "up")
+    assert "arrivals/s" in up["explain"]
+    down = next(d for d in state["decisions"] if d["direction"] == "down")
+    assert "arrivals/s" in down["explain"]
