@@ -222,6 +222,32 @@ CASES = [
         ("-    target_per_replica: 1000.0", "+    target_per_replica: 12"),
     ),
     Case(
+        "backlog_under_a_high_rate_target_is_autoscale_stuck_on_the_rate",
+        replace(
+            HEALTHY,
+            # 12 terminal requests in 60 s, 10 completed on one replica: 0.9 x 10/60 per s.
+            classes=(
+                ClassWindow("high", {"completed": 10, "shed": 2}, queued=40, queued_before=10),
+            ),
+            signal=25.0,
+            ready_replicas=1,
+        ),
+        "autoscale_stuck",
+        _config(autoscaling={**AUTOSCALED, "target_rate_per_replica": 500.0}),
+        ("-    target_rate_per_replica: 500.0", "+    target_rate_per_replica: 0.15"),
+    ),
+    Case(
+        "backlog_under_a_rate_that_asks_for_more_is_pending",
+        replace(
+            HEALTHY,
+            classes=(ClassWindow("high", {"completed": 600}, queued=40, queued_before=10),),
+            signal=25.0,
+            ready_replicas=1,
+        ),
+        None,
+        _config(autoscaling={**AUTOSCALED, "target_rate_per_replica": 1.0}),
+    ),
+    Case(
         "backlog_with_the_signal_absent_is_autoscale_stuck",
         replace(
             HEALTHY,

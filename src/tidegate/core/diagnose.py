@@ -485,6 +485,29 @@ def rule_autoscale_stuck(m: ModelWindow, s: Snapshot, t: Thresholds) -> Finding 
         cause = f"the model is at max_replicas {maximum}"
         fix = "allow more replicas (if the devices have room), or shed earlier"
         changes = (_change(m.model, cfg, ("autoscaling", "max_replicas"), maximum * 2),)
+    elif scaling.get("target_rate_per_replica") is not None:
+        # Sized on the arrival rate: the queue's gauge is not what it compares.
+        rate_target = _num(scaling.get("target_rate_per_replica"), 1.0)
+        per_replica = _rate(m.num_requests, s) / max(1.0, ready or 1.0)
+        if per_replica >= rate_target * (1 + _num(scaling.get("tolerance"), 0.1)):
+            return None  # the rate asks for more: a decision is pending, not stuck
+        served = sum(c.count("completed") for c in m.classes)
+        served_per_replica = _rate(served, s) / max(1.0, ready or 1.0)
+        numbers |= {
+            "arrivals_per_s_per_replica": round(per_replica, 3),
+            "completed_per_s_per_replica": round(served_per_replica, 3),
+            "target_rate_per_replica": rate_target,
+        }
+        cause = (
+            f"the threshold is wrong: {per_replica:.3g} arrivals/s per ready replica stay "
+            f"under target_rate_per_replica {rate_target:g} while the queue grows"
+        )
+        fix = "lower target_rate_per_replica to what one replica serves within its SLO"
+        # What a replica completed while the queue grew is about what it can serve.
+        basis = served_per_replica if served_per_replica > 0 else per_replica / 2
+        new_rate = float(f"{0.9 * basis:.3g}")
+        key = ("autoscaling", "target_rate_per_replica")
+        changes = (_change(m.model, cfg, key, new_rate),)
     elif m.signal < target * (1 + _num(scaling.get("tolerance"), 0.1)):
         numbers["inference_queue_depth"] = m.signal
         cause = (
