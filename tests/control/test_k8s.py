@@ -303,11 +303,16 @@ def adapter_rules(manifests: Manifests) -> list[dict[str, Any]]:
 def test_adapter_rules_read_the_gateways_real_gauge() -> None:
     manifests = render(load_config(REPO / "examples" / "autoscaling.yaml"))
     exported = {metric.name for metric in GatewayMetrics().registry.collect()}
+    read = set()
     for rule in adapter_rules(manifests):
-        assert rule["seriesQuery"].startswith(f"{k8s_scaling.METRIC}{{")
-        assert rule["name"]["matches"] == f"^{k8s_scaling.METRIC}$"
+        metric = rule["name"]["matches"].strip("^$")
+        assert rule["seriesQuery"].startswith(f"{metric}{{")
         assert rule["metricsQuery"].startswith("sum(")
+        read.add(metric)
+    # The example sizes chat on the queue's gauge and embed on the arrival counter.
+    assert read == {k8s_scaling.METRIC, k8s_scaling.RATE_METRIC}
     assert k8s_scaling.METRIC in exported
+    assert f"{ARRIVALS}_total" == k8s_scaling.RATE_METRIC  # gateway/observe.py's collector
     # The wake-from-zero trigger counts what a request to a model with no replica gets.
     assert "tidegate_requests" in exported
     assert _outcome_of(NotReady("no replica", code="no_ready_replica")) == (
@@ -471,8 +476,8 @@ def config_from_hpa(hpa: dict[str, Any], rules: list[dict[str, Any]]) -> Autosca
     """What the HPA will do, as an AutoscaleConfig: bounds, target, averaging, behavior."""
     spec = hpa["spec"]
     external = spec["metrics"][0]["external"]
-    rule = next(r for r in rules if r["name"]["as"] == external["metric"]["name"])
-    window = re.search(r"\[(\d+)s\]", rule["metricsQuery"])
+    rule = next((r for r in rules if r["name"]["as"] == external["metric"]["name"]), None)
+    window = None if rule is None else re.search(r"\[(\d+)s\]", rule["metricsQuery"])
     return AutoscaleConfig(
         min_replicas=spec["minReplicas"],
         max_replicas=spec["maxReplicas"],
@@ -582,6 +587,9 @@ def test_rendered_hpa_scales_as_the_builtin_autoscaler(config: TidegateConfig) -
         ours = hpa_part(model.autoscaling)
         theirs = config_from_hpa(hpa, adapter_rules(manifests))
         assert theirs.tolerances() == ours.tolerances()
+        if ours.target_rate_per_replica is not None:
+            assert_rate_replays_alike(ours, theirs)
+            continue
         for attribute in ("min_replicas", "max_replicas", "target_per_replica", "stable_window_s"):
             assert getattr(theirs, attribute) == getattr(ours, attribute)
         series = replay_scale(points, ours, initial_replicas=ours.min_replicas)
@@ -598,6 +606,9 @@ def test_keda_scales_as_the_builtin_autoscaler(config: TidegateConfig) -> None:
         assert model.autoscaling is not None
         ours = hpa_part(model.autoscaling)
         theirs = config_from_scaled_object(scaled)
+        if ours.target_rate_per_replica is not None:
+            assert_rate_replays_alike(ours, theirs)
+            continue
         series = replay_scale(points, ours, initial_replicas=ours.min_replicas)
         assert replay_scale(points, theirs, initial_replicas=ours.min_replicas) == series
         if model.autoscaling.scale_to_zero:
@@ -956,34 +967,34 @@ def test_rendered_rate_target_scales_as_the_builtin_rate_path() -> None:
     config = scaled_model(RATE_SCALED)
     model = config.model("sim")
     assert model.autoscaling is not None
-    ours = hpa_part(model.autoscaling)
     (hpa,) = kind(render(config), "HorizontalPodAutoscaler")
-    spec = hpa["spec"]
-    theirs = AutoscaleConfig(
-        min_replicas=spec["minReplicas"],
-        max_replicas=spec["maxReplicas"],
-        target_per_replica=parse_quantity(spec["metrics"][0]["external"]["target"]["averageValue"]),
-        tolerance=k8s_scaling.HPA_DEFAULT_TOLERANCE,
-        stable_window_s=0.0,  # the averaging is the query's rate window
-        scale_up=rules_from_behavior(spec["behavior"]["scaleUp"]),
-        scale_down=rules_from_behavior(spec["behavior"]["scaleDown"]),
-    )
-    # Ours on the gateway's counter: arrivals per 15 s from the tidal demand series, read
-    # as a rate per second (the series' outage: no sample, held by both).
+    assert_rate_replays_alike(hpa_part(model.autoscaling), config_from_hpa(hpa, []))
+
+
+def assert_rate_replays_alike(ours: AutoscaleConfig, theirs: AutoscaleConfig) -> None:
+    """``ours`` (a rate target) on the gateway's counter of a tidal series, and ``theirs``
+    (an HPA or KEDA read back from its manifest: the rate is its metric, the target its
+    ``averageValue``) on the rates ``ours`` computed: the same replica series."""
+    assert ours.target_rate_per_replica is not None
+    # Ours on the counter: arrivals per 15 s from the tidal demand series, a unit of the
+    # series being 1/25 of a replica's rate (the series' outage: no sample, held by both).
+    per_unit = ours.target_rate_per_replica / 25
     replicas, state, arrived = ours.min_replicas, ScaleState(), 0.0
     decisions = []
     for at, level in demand_series():
         sample = None
         if level is not None:
-            arrived += level * 15 * 2  # 2 arrivals/s per unit of the series: up to 12 x 50/s
+            arrived += level * 15 * per_unit
             sample = DemandSample(at, queued=0.0, in_flight=0.0, arrived=arrived)
         inputs = ScaleInputs(replicas=replicas, ready_replicas=replicas, demand=sample)
         decision, state = decide_scale(inputs, state, ours, at)
         replicas = decision.desired_replicas
         decisions.append(decision)
     series = tuple(d.desired_replicas for d in decisions)
-    # Theirs: the same rates, as the HPA reads its External metric.
     rates = [(d.decided_at, d.rate) for d in decisions]
     assert sum(rate is not None for _, rate in rates) > len(rates) * 0.9
+    assert theirs.target_per_replica == ours.target_rate_per_replica
+    # The averaging is the query's rate window: the cluster reads the rate as it comes.
+    theirs = dataclasses.replace(theirs, stable_window_s=0.0)
     assert replay_scale(rates, theirs, initial_replicas=ours.min_replicas) == series
     assert len(set(series)) > 2, "the load must move the count for the check to mean much"
