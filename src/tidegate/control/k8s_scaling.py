@@ -42,7 +42,7 @@ from tidegate.errors import ConfigError
 METRIC = "inference_queue_depth"  # tidegate.metrics.GatewayMetrics.queue_depth_per_replica
 METRIC_LABEL = "model"
 REJECTED_METRIC = "tidegate_requests_total"
-RATE_METRIC = "tidegate_arrivals_total"  # tidegate.gateway.observe.ArrivalsCollector
+RATE_METRIC = "tidegate_arrivals_total"  # tidegate.gateway.observe.ScrapeCollector
 RATE_MIN_WINDOW_S = 30  # two scrapes at Prometheus' common 15 s interval
 REJECTED_OUTCOME = "rejected_unavailable"  # what a request to a model at zero replicas gets
 HPA_DEFAULT_TOLERANCE = 0.1  # kube-controller-manager --horizontal-pod-autoscaler-tolerance

@@ -42,9 +42,8 @@ _GONE = (ReplicaState.STOPPED, ReplicaState.FAILED)  # no process behind the add
 
 
 def add_observe_routes(app: FastAPI, gateway: Gateway) -> None:
-    """The service-discovery route, and ``tidegate_replica_info`` in the gateway's registry."""
-    gateway.metrics.registry.register(ReplicaInfoCollector(gateway))
-    gateway.metrics.registry.register(ArrivalsCollector(gateway))
+    """The service-discovery route, and the gateway's scrape-time series in its registry."""
+    gateway.metrics.registry.register(ScrapeCollector(gateway))
 
     @app.get(TARGETS_PATH)
     async def prometheus_targets(request: Request) -> list[dict[str, Any]]:
@@ -72,14 +71,17 @@ def scrape_targets(gateway: Gateway) -> list[dict[str, Any]]:
     return groups
 
 
-class ReplicaInfoCollector(Collector):
-    """``tidegate_replica_info``: the replica set as it is when scraped."""
+class ScrapeCollector(Collector):
+    """What is read from the gateway's state when scraped, so it can never lag behind:
+    ``tidegate_replica_info`` (the replica set) and ``tidegate_arrivals_total`` (each
+    dispatcher's count of submitted requests: no work on the request path beyond the count
+    the autoscaler keeps)."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
     def describe(self) -> Iterable[Metric]:
-        return [_family()]
+        return [_family(), _arrivals()]
 
     def collect(self) -> Iterator[Metric]:
         family = _family()
@@ -89,23 +91,10 @@ class ReplicaInfoCollector(Collector):
                 labels = (model, replica.id, replica.pool, device, replica.url or "")
                 family.add_metric(labels, 1.0)
         yield family
-
-
-class ArrivalsCollector(Collector):
-    """``tidegate_arrivals_total``: each dispatcher's count of submitted requests, read at
-    the scrape (no work on the request path beyond the count the autoscaler keeps)."""
-
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-
-    def describe(self) -> Iterable[Metric]:
-        return [_arrivals()]
-
-    def collect(self) -> Iterator[Metric]:
-        family = _arrivals()
+        arrivals = _arrivals()
         for model in sorted(self.gateway.dispatchers):
-            family.add_metric((model,), float(self.gateway.dispatchers[model].num_arrived))
-        yield family
+            arrivals.add_metric((model,), float(self.gateway.dispatchers[model].num_arrived))
+        yield arrivals
 
 
 def _arrivals() -> CounterMetricFamily:
